@@ -1,0 +1,46 @@
+# One entry point for people and CI. Every target installs what it needs into .venv.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch. On this kind of machine pip finds it on disk; elsewhere add
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu so pip does not fetch a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+STAMP := $(VENV)/.installed
+
+.PHONY: install test stress demo lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
+		echo "Using the torch that $(PYTHON) already imports."; \
+		$(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+		$(PYTHON) -m venv $(VENV); \
+	fi
+	@$(PY) -c "import torch" >/dev/null 2>&1 || \
+		$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install --quiet -e ".[test,dev,pillow]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(PY) -m pytest -m "not stress" -q
+
+stress: install
+	LMDBCACHE_STRESS=1 $(PY) -m pytest -m "stress or not stress" -q -p no:randomly
+
+demo: install
+	$(PY) scripts/demo.py
+
+lint: install
+	$(PY) -m ruff check lmdbcache tests scripts bench
+	$(PY) -m ruff format --check lmdbcache tests scripts bench
+	$(PY) -m mypy lmdbcache
+
+bench: install
+	$(PY) -m pip install --quiet -e ".[bench]"
+	$(PY) -m bench.run
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis .ruff_cache .mypy_cache

@@ -1,0 +1,75 @@
+"""The exceptions lmdbcache raises.
+
+Every error is built from one message string and pickles as ``type(exc)(message)``,
+which is how the DataLoader re-raises an exception from a worker in the main process.
+Each one also subclasses the builtin a caller would already catch::
+
+    LmdbCacheError(Exception)
+    ├── CacheMismatchError(ValueError)      stored length, fingerprint or format differ
+    ├── NotACacheError(ValueError)          the path holds something that is not an lmdbcache cache
+    ├── CorruptCacheError(OSError)          data.mdb is truncated or unreadable
+    ├── CorruptSampleError(ValueError)      a stored value fails its checksum
+    ├── SampleNotCachedError(LookupError)   a miss with no source dataset to fill it
+    ├── UnsupportedSampleError(TypeError)   a sample (or part of one) the codec cannot store
+    ├── ReadOnlyCacheError(PermissionError) a write to a cache opened read-only
+    ├── CacheFullError(OSError)             the disk (not the map: that grows) is full
+    └── ReadersFullError(RuntimeError)      LMDB's reader table is exhausted
+
+``SampleNotCachedError`` is a ``LookupError`` but deliberately not an ``IndexError``:
+``for x in ds`` stops at the first ``IndexError``, so a miss must never look like one.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CacheFullError",
+    "CacheMismatchError",
+    "CorruptCacheError",
+    "CorruptSampleError",
+    "LmdbCacheError",
+    "NotACacheError",
+    "ReadOnlyCacheError",
+    "ReadersFullError",
+    "SampleNotCachedError",
+    "UnsupportedSampleError",
+]
+
+
+class LmdbCacheError(Exception):
+    """Base class of every error lmdbcache raises itself."""
+
+
+class CacheMismatchError(LmdbCacheError, ValueError):
+    """The cache was built for another dataset (length, fingerprint) or format."""
+
+
+class NotACacheError(LmdbCacheError, ValueError):
+    """The path is a file, or a directory or LMDB environment that lmdbcache did not create."""
+
+
+class CorruptCacheError(LmdbCacheError, OSError):
+    """The LMDB files are damaged: empty, truncated, or not readable as LMDB."""
+
+
+class CorruptSampleError(LmdbCacheError, ValueError):
+    """A stored value does not match its checksum or is malformed; it is never returned."""
+
+
+class SampleNotCachedError(LmdbCacheError, LookupError):
+    """An index is not cached and there is no source dataset to decode it from."""
+
+
+class UnsupportedSampleError(LmdbCacheError, TypeError):
+    """A sample holds a value of a type the codec cannot round-trip exactly."""
+
+
+class ReadOnlyCacheError(LmdbCacheError, PermissionError):
+    """A write was needed but the cache can only be read (read-only directory or mount)."""
+
+
+class CacheFullError(LmdbCacheError, OSError):
+    """The filesystem holding the cache is out of space."""
+
+
+class ReadersFullError(LmdbCacheError, RuntimeError):
+    """LMDB's table of concurrent readers is full, even after clearing dead processes."""
