@@ -1,0 +1,110 @@
+"""Datasets and checks shared by the tests. Importable by spawn workers (tests/ is on sys.path)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+
+def sample_for(i: int) -> tuple[torch.Tensor, int]:
+    """The deterministic sample of index ``i``: every process can check any read by value."""
+    g = torch.Generator().manual_seed(i)
+    return torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8, generator=g), i
+
+
+class Synthetic(Dataset):
+    """``(uint8 tensor, index)`` samples; optionally slow, and counts its reads in a directory."""
+
+    def __init__(self, n: int = 64, delay: float = 0.0, count_dir: str | None = None) -> None:
+        self.n, self.delay, self.count_dir = n, delay, count_dir
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        if self.delay:
+            time.sleep(self.delay)
+        if self.count_dir is not None:
+            with open(os.path.join(self.count_dir, f"{os.getpid()}.reads"), "a") as f:
+                f.write(f"{i}\n")
+        return sample_for(i)
+
+
+def source_reads(count_dir: str) -> list[int]:
+    """Every index the source was asked for, across all processes."""
+    out: list[int] = []
+    for name in os.listdir(count_dir):
+        if name.endswith(".reads"):
+            with open(os.path.join(count_dir, name)) as f:
+                out += [int(line) for line in f]
+    return out
+
+
+class Failing(Dataset):
+    """Raises on one index, like a corrupt file in a real dataset."""
+
+    def __init__(self, n: int = 16, bad: int = 5) -> None:
+        self.n, self.bad = n, bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        if i == self.bad:
+            raise ValueError(f"cannot decode file {i}")
+        return sample_for(i)
+
+
+class Listed(Dataset):
+    """Serves a fixed list of samples."""
+
+    def __init__(self, samples: list[Any]) -> None:
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.samples[i]
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The raw bytes of a tensor of any dtype (bitwise: NaN == NaN, -0.0 != 0.0)."""
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_same(a: Any, b: Any, where: str = "sample") -> None:
+    """Deep equality that also demands identical types, dtypes and shapes."""
+    assert type(a) is type(b), f"{where}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{where}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        )
+        assert tensor_bytes(a) == tensor_bytes(b), f"{where}: values differ"
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert a.tobytes() == b.tobytes(), where
+    elif isinstance(a, np.generic):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), where
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for k, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{k}]")
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, float) and a != a:
+        assert b != b, where
+    elif type(a).__name__ == "Image" or hasattr(a, "getpixel"):
+        assert (a.mode, a.size, a.tobytes()) == (b.mode, b.size, b.tobytes()), where
+        assert a.getpalette() == b.getpalette(), where
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
