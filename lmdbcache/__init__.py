@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ._version import FORMAT_VERSION, __version__
+from .dataset import CachedDataset, default_fingerprint
 from .errors import (
     CacheFullError,
     CacheMismatchError,
@@ -15,18 +16,22 @@ from .errors import (
     SampleNotCachedError,
     UnsupportedSampleError,
 )
+from .store import LmdbCacheWarning
 
 __all__ = [
     "FORMAT_VERSION",
     "CacheFullError",
     "CacheMismatchError",
+    "CachedDataset",
     "CorruptCacheError",
     "CorruptSampleError",
     "LmdbCacheError",
+    "LmdbCacheWarning",
     "NotACacheError",
     "ReadOnlyCacheError",
     "ReadersFullError",
     "SampleNotCachedError",
     "UnsupportedSampleError",
     "__version__",
+    "default_fingerprint",
 ]

@@ -1,0 +1,859 @@
+"""One process's handle on one cache directory: the only module that talks to LMDB.
+
+A cache directory holds LMDB's ``data.mdb`` and ``lock.mdb`` and our ``lmdbcache.lock``.
+The environment has two named databases: ``meta`` (one record, ``b"meta"``: a msgpack
+map, see ``Store.initialize``) and ``samples`` (key: the index as 8 bytes big-endian, so
+key order is index order; value: one encoded sample, see ``codec``).
+
+Processes. Each process opens its own environment, lazily, and never uses one across
+``fork()`` (LMDB forbids it, and py-lmdb 3 refuses to open an environment in a child
+whose parent holds it open). So before every fork this module flushes and closes the
+process's environments (reopened on next use, ~0.1 ms), and the child starts with an
+empty registry. Pickling a dataset carries its configuration only.
+
+Writes. Misses are queued in memory and committed together, in one write transaction
+under the inter-process file lock, every ``commit_every`` samples, ``commit_bytes``
+bytes or ``commit_interval`` seconds, on ``flush()``/``close()``, before a fork, and at
+process exit (atexit, and multiprocessing's exit finalizers, which run in DataLoader
+workers where atexit does not). A key is never written twice (``overwrite=False``).
+
+Durability. ``sync=True, metasync=False``: every commit fdatasyncs the data pages and
+leaves the meta page to the next commit or the OS. A process killed at any instant
+leaves every committed transaction intact (LMDB is copy-on-write); a power loss keeps
+the database consistent but may undo the last commit. Queued, uncommitted samples are
+simply decoded again later.
+
+Map size. The map starts at ``map_size`` and doubles (at least) whenever a commit would
+not fit, by aborting the transaction, growing, and re-putting every queued record.
+A process that finds the map grown by another (``MapResizedError``) adopts the new size.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import shutil
+import struct
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import filelock
+import lmdb
+import msgpack
+
+from . import codec
+from ._version import FORMAT_VERSION, __version__
+from .errors import (
+    CacheFullError,
+    CacheMismatchError,
+    CorruptCacheError,
+    CorruptSampleError,
+    LmdbCacheError,
+    NotACacheError,
+    ReadersFullError,
+    ReadOnlyCacheError,
+)
+
+__all__ = ["MISSING", "LmdbCacheWarning", "Store", "acquire", "filesystem_type"]
+
+MISSING: Any = type("Missing", (), {"__repr__": lambda self: "MISSING"})()
+
+DATA_FILE, LOCK_FILE, WRITE_LOCK = "data.mdb", "lock.mdb", "lmdbcache.lock"
+_OUR_FILES = {DATA_FILE, LOCK_FILE, WRITE_LOCK, "data.mdb-lock"}
+_META_KEY = b"meta"
+_KEY = struct.Struct(">Q").pack
+_decode = codec.decode
+_monotonic = time.monotonic
+_UNKEY = struct.Struct(">Q").unpack
+_MIN_DATA_FILE = 2 * 4096  # LMDB writes two meta pages before anything else
+_MIB = 1 << 20
+_READER_MAX_AGE = 0.25  # seconds a kept read transaction may pin its snapshot
+
+# Filesystems where LMDB's locking (fcntl locks + a shared-memory lock file) is unsafe.
+_NETWORK_FS = {
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "afs", "ceph", "glusterfs", "lustre", "gpfs",
+    "beegfs", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.rclone", "fuse.juicefs", "fuse.glusterfs",
+}  # fmt: skip
+
+
+class LmdbCacheWarning(UserWarning):
+    """A situation that works but that the user should know about (e.g. a network filesystem)."""
+
+
+class Store:
+    """One process's handle on a cache directory (see the module docstring).
+
+    Thread-safe: every use of the environment holds ``self._lock``, which is also what
+    lets a map growth and a pre-fork close wait for in-flight reads.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        map_size: int = 64 * _MIB,
+        max_readers: int = 1024,
+        commit_every: int = 256,
+        commit_bytes: int = 64 * _MIB,
+        commit_interval: float = 1.0,
+        checksum: str = "once",
+    ) -> None:
+        self.path = path
+        self.checksum = checksum
+        self.map_size = int(map_size)
+        self.max_readers = int(max_readers)
+        self.commit_every = max(1, int(commit_every))
+        self.commit_bytes = int(commit_bytes)
+        self.commit_interval = float(commit_interval)
+        self.pid = _pid
+        self.readonly = False
+        self.refs = 0
+        self._lock = threading.Lock()
+        self._env: lmdb.Environment | None = None
+        self._samples: Any = None
+        self._meta_db: Any = None
+        self._file_lock: filelock.BaseFileLock | None = None
+        self._cache_id: str | None = None  # the build this process checked; writes verify it
+        self._pending: dict[int, bytes] = {}
+        self._pending_bytes = 0
+        self._pending_since = 0.0
+        self._timer: threading.Timer | None = None  # commits the queue commit_interval after its first sample
+        self._deferred: BaseException | None = None  # an error from a timed commit, raised to the next caller
+        self._meta: dict[str, Any] | None = None
+        # A read transaction kept open between hits (see _reader) and when it goes stale.
+        self._rtxn: lmdb.Transaction | None = None
+        self._rtxn_expires = 0.0
+        # Byte i set: this process has verified index i's checksums (checksum="once"). A byte
+        # rather than a bit per index: N bytes per process is small, and the test is cheaper.
+        self._verified: bytearray | None = None
+
+    def __repr__(self) -> str:
+        state = "open" if self._env is not None else "closed"
+        return f"<Store {self.path!r} {state}, {len(self._pending)} pending>"
+
+    # ------------------------------------------------------------------ opening
+
+    def initialize(
+        self,
+        *,
+        length: int | None,
+        fingerprint: str | None,
+        overwrite: bool = False,
+        create: bool = True,
+    ) -> dict[str, Any]:
+        """Open the cache, creating it or checking it against the dataset; return its metadata.
+
+        ``length``/``fingerprint`` of None skip that check (a cache opened without its
+        source). With ``overwrite`` an existing cache is emptied (in place, so other
+        processes keep valid handles) or, if it is not a readable lmdbcache cache, its
+        LMDB files are replaced. Files that are not ours are never touched. On error
+        nothing stays open.
+        """
+        with self._lock:
+            if overwrite:
+                self._pending, self._pending_bytes = {}, 0  # samples of the build being replaced
+            elif self._env is not None:
+                self._flush_locked()
+            self._close_env()  # another dataset in this process may have it open: start clean
+            try:
+                meta = self._initialize(length, fingerprint, overwrite, create)
+            except BaseException:
+                self._close_env()
+                raise
+            self._adopt(meta)
+            return meta
+
+    def _initialize(self, length: int | None, fingerprint: str | None, overwrite: bool, create: bool) -> dict:
+        path = self.path
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise NotACacheError(
+                f"Cache path '{path}' is a file, not a directory. Pass the path of a directory "
+                "(lmdbcache creates it and keeps data.mdb and lock.mdb inside)."
+            )
+        if not create and not os.path.exists(os.path.join(path, DATA_FILE)):
+            raise NotACacheError(f"There is no cache at '{path}' (no {DATA_FILE} there). Build it first.")
+        if not os.path.isdir(path):
+            try:
+                os.makedirs(path, exist_ok=True)
+            except OSError as exc:
+                raise ReadOnlyCacheError(
+                    f"Cannot create the cache directory '{path}': {exc.strerror}. Choose a writable location."
+                ) from exc
+        _warn_if_network_fs(path)
+        if not _writable(path):
+            if overwrite:
+                raise ReadOnlyCacheError(
+                    f"Cannot rebuild the cache at '{path}' (overwrite=True): the directory is read-only."
+                )
+            if not os.path.exists(os.path.join(path, DATA_FILE)):
+                raise ReadOnlyCacheError(
+                    f"Cannot create a cache in '{path}': the directory is read-only. Choose a writable location."
+                )
+            self._check_data_file(overwrite=False)
+            env = self._open_env(readonly=True)
+            meta = self._read_meta(env)
+            if meta is None:
+                raise NotACacheError(
+                    f"'{path}' holds an LMDB environment that lmdbcache did not create (it has no metadata)."
+                )
+            return self._check_meta(meta, length, fingerprint)
+
+        self._check_dir(overwrite)  # before the lock file is created: refuse without touching anything
+        with self._write_lock():
+            self._check_dir(overwrite)
+            if not self._check_data_file(overwrite):
+                _remove_lmdb_files(path)
+            try:
+                env = self._open_env(readonly=False)
+                meta = self._read_meta(env)
+            except (CorruptCacheError, NotACacheError):
+                if not overwrite:
+                    raise
+                self._close_env()
+                _remove_lmdb_files(path)
+                env = self._open_env(readonly=False)
+                meta = None
+            if meta is None or overwrite:
+                if length is None:
+                    raise NotACacheError(f"There is no lmdbcache cache at '{path}' to open without a dataset.")
+                return self._write_meta(env, length, fingerprint or "")
+            return self._check_meta(meta, length, fingerprint)
+
+    def _check_dir(self, overwrite: bool) -> None:
+        """Refuse a directory holding other files and no cache, unless asked to create one beside them."""
+        names = set(os.listdir(self.path))
+        foreign = sorted(names - _OUR_FILES)
+        if foreign and DATA_FILE not in names and not overwrite:
+            shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+            raise NotACacheError(
+                f"'{self.path}' is not empty and holds no lmdbcache cache (it has {shown}). Use an empty or new "
+                "directory, or pass overwrite=True to create the cache beside those files (they are left alone)."
+            )
+
+    def _check_data_file(self, overwrite: bool) -> bool:
+        """Return False if data.mdb exists but is too short to be LMDB (and overwrite allows replacing it)."""
+        data = os.path.join(self.path, DATA_FILE)
+        try:
+            size = os.path.getsize(data)
+        except FileNotFoundError:
+            return True
+        if size >= _MIN_DATA_FILE:
+            return True
+        if overwrite:
+            return False
+        raise CorruptCacheError(
+            f"Cache '{self.path}' is damaged: {DATA_FILE} is {size} bytes, too short for an LMDB environment "
+            "(a crash while creating it?). Delete the directory, or pass overwrite=True to rebuild it."
+        )
+
+    def _check_truncation(self, env: lmdb.Environment) -> None:
+        """A data.mdb shorter than its last page would SIGBUS on read: refuse it up front."""
+        needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+        size = os.path.getsize(os.path.join(self.path, DATA_FILE))
+        if size < needed:
+            raise CorruptCacheError(
+                f"Cache '{self.path}' is damaged: {DATA_FILE} is {size} bytes but its pages need {needed} "
+                "(truncated by a copy or a full disk?). Delete the directory, or pass overwrite=True to rebuild it."
+            )
+
+    def _open_env(self, *, readonly: bool) -> lmdb.Environment:
+        """Open this process's environment and the two databases. Caller holds self._lock."""
+        path = self.path
+        options: dict[str, Any] = dict(
+            map_size=self.map_size,
+            max_dbs=2,
+            max_readers=self.max_readers,
+            readahead=False,  # random access: readahead only evicts useful pages
+            metasync=False,
+            sync=True,
+            max_spare_txns=1,
+            subdir=True,
+            create=not readonly,
+        )
+        try:
+            try:
+                env = lmdb.open(path, readonly=readonly, **options)
+            except lmdb.Error as exc:
+                if not readonly or ("ermission" not in str(exc) and "Read-only" not in str(exc)):
+                    raise
+                # A read-only mount where lock.mdb cannot be opened for writing: no writer can
+                # exist there, so running without LMDB's lock table is safe.
+                env = lmdb.open(path, readonly=True, lock=False, **options)
+        except lmdb.InvalidError as exc:
+            raise CorruptCacheError(
+                f"'{path}/{DATA_FILE}' is not an LMDB file ({exc}). Delete the directory, or pass overwrite=True "
+                "to replace it."
+            ) from exc
+        except (lmdb.VersionMismatchError, lmdb.CorruptedError, lmdb.PanicError) as exc:
+            raise CorruptCacheError(f"Cannot open cache '{path}': {exc}. Delete it, or pass overwrite=True.") from exc
+        except lmdb.ReadersFullError:
+            raise self._readers_full() from None
+        except lmdb.Error as exc:
+            raise _translate(exc, path, "opening") from exc
+        try:
+            self._check_truncation(env)  # before any page beyond the meta pages is touched
+            with env.begin() as txn:
+                names = {bytes(key) for key in txn.cursor().iternext(values=False)}
+            foreign = sorted(names - {b"meta", b"samples"})
+            if foreign:
+                raise NotACacheError(
+                    f"'{path}' holds an LMDB environment that lmdbcache did not create (its keys include "
+                    f"{foreign[:3]}). Use another path, or pass overwrite=True to replace it."
+                )
+            try:
+                self._samples = env.open_db(b"samples", create=not readonly)
+                self._meta_db = env.open_db(b"meta", create=not readonly)
+            except (lmdb.NotFoundError, lmdb.IncompatibleError) as exc:
+                raise NotACacheError(
+                    f"'{path}' holds an LMDB environment that lmdbcache did not create ({exc}). Use another path, "
+                    "or pass overwrite=True to replace it."
+                ) from exc
+            if not readonly:
+                env.reader_check()  # reclaim the reader slots of processes that died
+        except BaseException:
+            env.close()
+            raise
+        self._env = env
+        self.readonly = readonly
+        _register_exit_flush()
+        return env
+
+    def _env_or_open(self) -> lmdb.Environment:
+        """The environment, opened on first use in this process (a worker, or after a fork)."""
+        env = self._env
+        if env is not None:
+            return env
+        readonly = not _writable(self.path)
+        if not readonly:
+            self._check_data_file(overwrite=False)
+        env = self._open_env(readonly=readonly)
+        meta = self._read_meta(env)
+        if meta is None or (self._cache_id is not None and meta.get("cache_id") != self._cache_id):
+            self._close_env()
+            raise CacheMismatchError(
+                f"Cache '{self.path}' was rebuilt or replaced by another process since this dataset was created. "
+                "Create the dataset again."
+            )
+        self._adopt(meta)
+        return env
+
+    def _adopt(self, meta: dict[str, Any]) -> None:
+        self._meta, self._cache_id = meta, meta["cache_id"]
+        if self.checksum == "once" and (self._verified is None or len(self._verified) < meta["length"]):
+            self._verified = bytearray(meta["length"])
+
+    def _read_meta(self, env: lmdb.Environment) -> dict[str, Any] | None:
+        with self._begin(env) as txn:
+            raw = txn.get(_META_KEY, db=self._meta_db)
+            if raw is None:
+                if txn.stat(self._samples)["entries"]:
+                    raise NotACacheError(
+                        f"Cache '{self.path}' has samples but no metadata; it was not written by lmdbcache."
+                    )
+                return None
+            try:
+                meta = msgpack.unpackb(raw)
+            except Exception as exc:
+                raise CorruptCacheError(f"Cache '{self.path}' has unreadable metadata ({exc}).") from exc
+        if not isinstance(meta, dict) or "format_version" not in meta:
+            raise NotACacheError(f"'{self.path}' holds an LMDB environment whose metadata is not lmdbcache's.")
+        return meta
+
+    def _write_meta(self, env: lmdb.Environment, length: int, fingerprint: str) -> dict[str, Any]:
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "length": int(length),
+            "fingerprint": fingerprint,
+            "codec": codec.CODEC,
+            "library_version": __version__,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cache_id": uuid.uuid4().hex,
+        }
+        with env.begin(write=True) as txn:
+            txn.drop(self._samples, delete=False)
+            txn.put(_META_KEY, msgpack.packb(meta), db=self._meta_db)
+        return meta
+
+    def _check_meta(self, meta: dict[str, Any], length: int | None, fingerprint: str | None) -> dict[str, Any]:
+        fix = f"Delete '{self.path}', use another path, or pass overwrite=True to rebuild it."
+        stored = meta.get("format_version")
+        if not isinstance(stored, int) or stored > FORMAT_VERSION:
+            raise CacheMismatchError(
+                f"Cache '{self.path}' was written in format {stored} by lmdbcache {meta.get('library_version')}; "
+                f"this lmdbcache {__version__} reads formats up to {FORMAT_VERSION}. Upgrade lmdbcache, or "
+                f"{fix[0].lower()}{fix[1:]}"
+            )
+        if length is not None and meta["length"] != length:
+            raise CacheMismatchError(
+                f"Cache '{self.path}' was built for a dataset of length {meta['length']} but the dataset has length "
+                f"{length}. {fix}"
+            )
+        if fingerprint is not None and meta["fingerprint"] != fingerprint:
+            raise CacheMismatchError(
+                f"Cache '{self.path}' was built for fingerprint '{meta['fingerprint']}' but the dataset has "
+                f"'{fingerprint}'. {fix}"
+            )
+        return meta
+
+    # ------------------------------------------------------------------ reading
+
+    def _begin(self, env: lmdb.Environment, write: bool = False, db: Any = None) -> lmdb.Transaction:
+        try:
+            return env.begin(db=db, write=write, buffers=True)
+        except lmdb.MapResizedError:
+            self._drop_reader()  # set_mapsize invalidates every transaction of this process
+            env.set_mapsize(0)  # another process grew the map: adopt its size
+            return env.begin(db=db, write=write, buffers=True)
+        except lmdb.ReadersFullError:
+            if env.reader_check():
+                return env.begin(db=db, write=write, buffers=True)
+            raise self._readers_full() from None
+        except lmdb.Error as exc:
+            raise _translate(exc, self.path, "reading") from exc
+
+    def _reader(self) -> lmdb.Transaction:
+        """A read transaction for a hit: the one kept from the last hit if it is fresh.
+
+        Reusing it saves a begin/abort per sample. It is dropped on any miss (its snapshot
+        may predate another process's commit, and while filling it would only pin pages
+        that writers want to reuse) and renewed after _READER_MAX_AGE seconds.
+        """
+        txn = self._rtxn
+        if txn is not None:
+            if time.monotonic() < self._rtxn_expires:
+                return txn
+            self._drop_reader()
+        txn = self._begin(self._env or self._env_or_open(), db=self._samples)
+        self._rtxn, self._rtxn_expires = txn, time.monotonic() + _READER_MAX_AGE
+        return txn
+
+    def _drop_reader(self) -> None:
+        txn, self._rtxn = self._rtxn, None
+        if txn is not None:
+            txn.abort()
+
+    def _readers_full(self) -> ReadersFullError:
+        return ReadersFullError(
+            f"Cache '{self.path}': all LMDB reader slots are in use by live processes (each process using the "
+            "cache holds one). Close some, or once no process uses the cache, open it with a larger max_readers "
+            "(the first process to open a cache sizes its reader table)."
+        )
+
+    def get(self, index: int) -> Any:
+        """The decoded sample at ``index``, or ``MISSING``. The hot path: kept flat."""
+        lock = self._lock
+        lock.acquire()  # not `with`: half the cost, and this runs once per sample
+        try:
+            txn = self._rtxn
+            if txn is None or _monotonic() >= self._rtxn_expires:
+                txn = self._reader()
+            raw = txn.get(_KEY(index))
+            if raw is None:
+                return self._get_fresh([index])[0]
+            verified = self._verified
+            if verified is not None and index < len(verified) and verified[index]:
+                try:
+                    return _decode(raw, False)
+                except CorruptSampleError as exc:
+                    raise self._corrupt(index, exc) from None
+            return self._decode(raw, index)
+        finally:
+            lock.release()
+
+    def get_many(self, indices: list[int]) -> list[Any]:
+        """Decode a batch in one read transaction; misses come back as ``MISSING``."""
+        with self._lock:
+            get, decode = self._reader().get, self._decode
+            out = []
+            for index in indices:
+                raw = get(_KEY(index))
+                out.append(MISSING if raw is None else decode(raw, index))
+            misses = [k for k, sample in enumerate(out) if sample is MISSING]
+            if misses:
+                for k, sample in zip(misses, self._get_fresh([indices[k] for k in misses])):
+                    out[k] = sample
+        return out
+
+    def _get_fresh(self, indices: list[int]) -> list[Any]:
+        """Look misses up again in a new snapshot, then in this process's queue. Holds self._lock."""
+        self._drop_reader()
+        out = []
+        with self._begin(self._env or self._env_or_open()) as txn:
+            for index in indices:
+                raw = txn.get(_KEY(index), db=self._samples)
+                if raw is None:
+                    raw = self._pending.get(index)
+                out.append(MISSING if raw is None else self._decode(raw, index))
+        return out
+
+    def _decode(self, raw: Any, index: int) -> Any:
+        verified = self._verified
+        try:
+            if verified is None or index >= len(verified):
+                return codec.decode(raw)
+            if verified[index]:
+                return codec.decode(raw, False)
+            sample = codec.decode(raw)
+            verified[index] = 1
+            return sample
+        except CorruptSampleError as exc:
+            raise self._corrupt(index, exc) from None
+
+    def _corrupt(self, index: int, exc: CorruptSampleError) -> CorruptSampleError:
+        return CorruptSampleError(
+            f"Cache '{self.path}': the stored value of index {index} is damaged ({exc}); it was not returned. "
+            f"Run `lmdbcache verify --repair {self.path}` to drop damaged entries (they are decoded again "
+            "from the source on the next read)."
+        )
+
+    def count(self) -> int:
+        """Committed samples, after committing this process's queue."""
+        self.flush()
+        with self._lock, self._begin(self._env or self._env_or_open()) as txn:
+            return txn.stat(self._samples)["entries"]
+
+    def meta(self) -> dict[str, Any]:
+        with self._lock:
+            self._env or self._env_or_open()
+            assert self._meta is not None
+            return dict(self._meta)
+
+    def iter_raw(self, start: int = 0, chunk: int = 256) -> Iterator[tuple[int, bytes]]:
+        """Yield (index, stored value) in key order, ``chunk`` records per read transaction."""
+        key = _KEY(start)
+        while True:
+            batch: list[tuple[bytes, bytes]] = []
+            with self._lock, self._begin(self._env or self._env_or_open()) as txn:
+                cursor = txn.cursor(db=self._samples)
+                if cursor.set_range(key):
+                    for k, v in cursor:
+                        if len(batch) == chunk:
+                            break
+                        batch.append((bytes(k), bytes(v)))
+            if not batch:
+                return
+            for k, v in batch:
+                yield _UNKEY(k)[0], v
+            if len(batch) < chunk:
+                return
+            key = _KEY(_UNKEY(batch[-1][0])[0] + 1)
+
+    # ------------------------------------------------------------------ writing
+
+    def add(self, index: int, value: bytes) -> None:
+        """Queue one encoded sample; commit the queue when it is due."""
+        with self._lock:
+            self._raise_deferred()
+            if self.readonly or (self._env is None and not _writable(self.path)):
+                raise ReadOnlyCacheError(
+                    f"Cache '{self.path}' is read-only (read-only directory or mount) and index {index} is not "
+                    "cached. Open the cache without a dataset, or copy it to a writable location to fill it."
+                )
+            if index in self._pending:
+                return
+            if not self._pending:
+                self._pending_since = time.monotonic()
+            self._pending[index] = value
+            self._pending_bytes += len(value)
+            if (
+                len(self._pending) >= self.commit_every
+                or self._pending_bytes >= self.commit_bytes
+                or time.monotonic() - self._pending_since >= self.commit_interval
+            ):
+                self._flush_locked()
+            elif self._timer is None:
+                # An idle process (a persistent worker between epochs) still commits in time.
+                self._timer = threading.Timer(self.commit_interval, self._timed_flush)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def _timed_flush(self) -> None:
+        with self._lock:
+            if self._timer is not threading.current_thread() or self.pid != _pid:
+                return
+            self._timer = None
+            try:
+                self._flush_locked()
+            except BaseException as exc:
+                self._deferred = exc
+
+    def _raise_deferred(self) -> None:
+        exc, self._deferred = self._deferred, None
+        if exc is not None:
+            raise exc
+
+    def flush(self) -> int:
+        """Commit this process's queued samples now; return how many were queued."""
+        with self._lock:
+            self._raise_deferred()
+            return self._flush_locked()
+
+    def _flush_locked(self) -> int:
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+        if not self._pending:
+            return 0
+        items = sorted(self._pending.items())  # key order: appends to the B-tree
+        self._pending, self._pending_bytes = {}, 0
+        self._put_locked([(_KEY(i), v) for i, v in items])
+        return len(items)
+
+    def put_many(self, items: Iterable[tuple[int, bytes]]) -> int:
+        """Write (index, value) pairs now, in one transaction, skipping indices already present.
+
+        Grows the map as needed; every record is re-put after a growth, never just the
+        last one. Returns the number of records actually written.
+        """
+        with self._lock:
+            return self._put_locked([(_KEY(i), v) for i, v in items])
+
+    def _put_locked(self, items: list[tuple[bytes, bytes]]) -> int:
+        env = self._env or self._env_or_open()
+        need = sum(len(k) + len(v) for k, v in items)
+        with self._write_lock():
+            self._reserve(env, need)
+            for _ in range(64):
+                try:
+                    written = 0
+                    with env.begin(write=True) as txn:
+                        self._check_cache_id(txn)
+                        put, db = txn.put, self._samples
+                        for key, value in items:
+                            written += put(key, value, db=db, overwrite=False)
+                    return written
+                except lmdb.MapFullError:
+                    self._grow(env, need)
+                except lmdb.MapResizedError:
+                    env.set_mapsize(0)
+                except lmdb.Error as exc:
+                    raise self._write_error(exc, len(items)) from exc
+        raise LmdbCacheError(f"Cache '{self.path}': could not make room for {need} bytes after 64 map growths.")
+
+    def _check_cache_id(self, txn: lmdb.Transaction) -> None:
+        raw = txn.get(_META_KEY, db=self._meta_db)
+        stored = msgpack.unpackb(raw).get("cache_id") if raw is not None else None
+        if stored != self._cache_id:
+            raise CacheMismatchError(
+                f"Cache '{self.path}' was rebuilt by another process (overwrite=True) while this one was filling "
+                "it; its queued samples were dropped. Create the dataset again."
+            )
+
+    def _reserve(self, env: lmdb.Environment, need: int) -> None:
+        """Grow the map before a commit that would not fit, so it rarely has to be retried."""
+        info = env.info()
+        used = (info["last_pgno"] + 1) * env.stat()["psize"]
+        if used + 2 * need + _MIB > info["map_size"]:
+            self._grow(env, need)
+
+    def _grow(self, env: lmdb.Environment, need: int) -> None:
+        self._drop_reader()  # set_mapsize invalidates every transaction of this process
+        info = env.info()
+        used = (info["last_pgno"] + 1) * env.stat()["psize"]
+        size = max(2 * info["map_size"], used + 2 * need + 16 * _MIB)
+        env.set_mapsize(-(-size // _MIB) * _MIB)  # a whole number of MiB, hence of pages
+
+    def _write_error(self, exc: lmdb.Error, count: int) -> LmdbCacheError:
+        if isinstance(exc, lmdb.ReadonlyError):
+            return ReadOnlyCacheError(f"Cache '{self.path}' is read-only; {count} samples were not cached.")
+        free = shutil.disk_usage(self.path).free
+        if free < 64 * _MIB or "space" in str(exc):
+            return CacheFullError(
+                f"The disk holding cache '{self.path}' is full ({free} bytes free): {count} samples were not "
+                "cached (they are decoded again on the next read; everything committed before is intact). "
+                f"Free some space or move the cache. LMDB said: {exc}"
+            )
+        return _translate(exc, self.path, "writing")
+
+    # ------------------------------------------------------------------ closing
+
+    def close(self) -> None:
+        """Commit the queue and close the environment (it reopens on next use)."""
+        with self._lock:
+            try:
+                self._flush_locked()
+            finally:
+                self._close_env()
+
+    def _close_env(self) -> None:
+        self._drop_reader()
+        env, self._env = self._env, None
+        if env is not None:
+            env.close()
+
+    def _write_lock(self) -> filelock.BaseFileLock:
+        if self._file_lock is None:
+            self._file_lock = filelock.FileLock(os.path.join(self.path, WRITE_LOCK))
+        return self._file_lock
+
+    def delete(self, keys: Iterable[int]) -> int:
+        """Delete the given indices (used by ``verify --repair``); returns how many existed."""
+        with self._lock:
+            env = self._env or self._env_or_open()
+            with self._write_lock(), env.begin(write=True) as txn:
+                return sum(txn.delete(_KEY(k), db=self._samples) for k in keys)
+
+
+# ---------------------------------------------------------------------- the per-process registry
+
+_pid = os.getpid()
+_stores: dict[str, Store] = {}
+_registry_lock = threading.Lock()
+_exit_flush_pid = 0
+
+
+def acquire(path: str, **options: Any) -> Store:
+    """This process's Store for ``path`` (one per directory per process), with one more reference."""
+    if options.get("checksum", "once") not in ("once", "always"):
+        raise ValueError(f"checksum must be 'once' or 'always', not {options['checksum']!r}")
+    key = os.path.realpath(path)
+    with _registry_lock:
+        store = _stores.get(key)
+        if store is None:
+            store = _stores[key] = Store(os.path.abspath(path), **options)
+        store.refs += 1
+        return store
+
+
+def release(store: Store) -> None:
+    """Drop one reference; the last one commits and closes the environment."""
+    with _registry_lock:
+        if store.pid != _pid:
+            return  # inherited across fork: the parent owns it
+        store.refs -= 1
+        if store.refs > 0:
+            return
+        for key, value in list(_stores.items()):
+            if value is store:
+                del _stores[key]
+    store.close()
+
+
+def current_pid() -> int:
+    return _pid
+
+
+def _before_fork() -> None:
+    # Commit and close every environment so the child inherits none (see module docstring).
+    # The locks stay held across the fork so no thread reopens one in between.
+    _registry_lock.acquire()
+    for store in _stores.values():
+        store._lock.acquire()
+        try:
+            store._flush_locked()
+        except Exception:
+            pass
+        store._close_env()
+
+
+def _after_fork_parent() -> None:
+    for store in _stores.values():
+        store._lock.release()
+    _registry_lock.release()
+
+
+def _after_fork_child() -> None:
+    global _pid
+    _pid = os.getpid()
+    # The child opens its own stores. The parent's objects stay reachable from datasets,
+    # which see the pid change and re-acquire; unlock them so nothing can hang on them.
+    for store in _stores.values():
+        store._pending, store._pending_bytes = {}, 0
+        store._lock.release()
+    _stores.clear()
+    _registry_lock.release()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent, after_in_child=_after_fork_child)
+
+
+def _flush_all_at_exit() -> None:
+    for store in list(_stores.values()):
+        if store.pid == _pid:
+            try:
+                store.close()
+            except Exception as exc:
+                warnings.warn(
+                    f"lmdbcache: could not commit queued samples at exit: {exc}", LmdbCacheWarning, stacklevel=1
+                )
+
+
+def _register_exit_flush() -> None:
+    """Commit queued samples at exit: atexit in a main process, multiprocessing finalizers in workers."""
+    global _exit_flush_pid
+    if _exit_flush_pid == _pid:
+        return
+    _exit_flush_pid = _pid
+    atexit.register(_flush_all_at_exit)
+    import multiprocessing.util
+
+    # Process._bootstrap runs these (not atexit) before a worker's os._exit().
+    multiprocessing.util.Finalize(None, _flush_all_at_exit, exitpriority=100)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _writable(path: str) -> bool:
+    """Can this process create files in ``path``? False on read-only mounts even for root."""
+    return os.access(path, os.W_OK)
+
+
+def _remove_lmdb_files(path: str) -> None:
+    for name in (DATA_FILE, LOCK_FILE):
+        try:
+            os.remove(os.path.join(path, name))
+        except FileNotFoundError:
+            pass
+
+
+def _translate(exc: lmdb.Error, path: str, action: str) -> LmdbCacheError:
+    if isinstance(exc, (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.InvalidError)):
+        return CorruptCacheError(
+            f"Cache '{path}' is damaged ({exc}) while {action}. Delete it, or pass overwrite=True."
+        )
+    if isinstance(exc, lmdb.ReadonlyError):
+        return ReadOnlyCacheError(f"Cache '{path}' is read-only ({exc}) while {action}.")
+    return LmdbCacheError(f"LMDB error while {action} cache '{path}': {exc}")
+
+
+def filesystem_type(path: str, mountinfo: str | None = None) -> str | None:
+    """The type of the filesystem holding ``path`` (from /proc/self/mountinfo), or None if unknown."""
+    if mountinfo is None:
+        try:
+            with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+                mountinfo = f.read()
+        except OSError:
+            return None
+    real = os.path.realpath(path)
+    best, best_type = "", None
+    for line in mountinfo.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields = left.split()
+        if not sep or len(fields) < 5:
+            continue
+        mount = fields[4].replace("\\040", " ")
+        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):
+            best, best_type = mount, right.split()[0]
+    return best_type
+
+
+_warned_paths: set[str] = set()
+
+
+def _warn_if_network_fs(path: str) -> None:
+    fstype = filesystem_type(path)
+    if fstype in _NETWORK_FS and path not in _warned_paths:
+        _warned_paths.add(path)
+        warnings.warn(
+            f"Cache '{path}' is on a network filesystem ({fstype}). LMDB's locking is not safe there: use it from "
+            "one machine only, or better, build or copy the cache to a local disk (`lmdbcache copy`).",
+            LmdbCacheWarning,
+            stacklevel=4,
+        )

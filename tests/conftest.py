@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+
+from lmdbcache import store as _store
+
+
+@pytest.fixture
+def cache_dir(tmp_path):
+    """A path for a new cache (not yet created)."""
+    return tmp_path / "cache.lmdb"
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_handles():
+    """Every test ends with no open cache handle in this process (datasets it dropped are collected)."""
+    yield
+    gc.collect()
+    for store in list(_store._stores.values()):
+        store.close()
+    _store._stores.clear()
+
+
+@pytest.fixture
+def counts(tmp_path):
+    """A directory where Synthetic datasets log every source read, across processes."""
+    path = tmp_path / "reads"
+    path.mkdir()
+    return str(path)
+
+
+def pytest_configure(config):
+    # Stress runs scale their iteration counts; see tests/stress.
+    os.environ.setdefault("LMDBCACHE_STRESS", "0")

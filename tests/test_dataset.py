@@ -1,0 +1,354 @@
+"""CachedDataset in one process: the Dataset protocol, misses equal hits, metadata, errors."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+from helpers import Failing, Listed, Synthetic, assert_same, sample_for, source_reads
+from torch.utils.data import DataLoader, Subset
+
+import lmdbcache
+from lmdbcache import (
+    CachedDataset,
+    CacheMismatchError,
+    LmdbCacheError,
+    NotACacheError,
+    SampleNotCachedError,
+    UnsupportedSampleError,
+)
+from lmdbcache import store as _store
+
+
+def test_len_and_indexing(cache_dir):
+    """len matches the source; Python, numpy and 0-d tensor ints and negative indices work; bad ones raise."""
+    ds = CachedDataset(Synthetic(10), cache_dir)
+    assert len(ds) == 10
+    assert ds[3][1] == 3 and ds[np.int64(4)][1] == 4 and ds[np.uint8(5)][1] == 5 and ds[torch.tensor(6)][1] == 6
+    assert ds[-1][1] == 9 and ds[-10][1] == 0
+    for bad in (10, -11, 2**40):
+        with pytest.raises(IndexError):
+            ds[bad]
+    with pytest.raises(TypeError, match="integers"):
+        ds[1.0]
+    assert [s[1] for s in ds] == list(range(10))  # the legacy iteration protocol stops at IndexError
+
+
+def test_miss_returns_exactly_what_a_hit_returns(cache_dir):
+    """The first epoch and the tenth see the same data: same types and values (tuple stays tuple, int stays int)."""
+    samples = [
+        (torch.arange(6).reshape(2, 3).t(), 1),
+        {"x": np.arange(4, dtype=">i4")[::2], "y": [1, (2, 3.5)], "z": None},
+        [torch.zeros((), dtype=torch.bfloat16), np.float32(2.5), "text", b"bytes"],
+        None,
+        7,
+    ]
+    ds = CachedDataset(Listed(samples), cache_dir)
+    misses = [ds[i] for i in range(len(samples))]
+    ds.flush()
+    reopened = CachedDataset.open(cache_dir)
+    for i, sample in enumerate(samples):
+        hit = reopened[i]
+        assert_same(misses[i], hit)
+        assert_same(hit, ds[i])
+        if isinstance(sample, tuple):
+            assert misses[i][0].is_contiguous() and torch.equal(misses[i][0], sample[0])
+
+
+def test_each_index_is_decoded_once(cache_dir, counts):
+    """After the first read, the source is never called again, in this or a new dataset object."""
+    ds = CachedDataset(Synthetic(20, count_dir=counts), cache_dir)
+    for _ in range(3):
+        for i in range(20):
+            ds[i]
+    ds.close()
+    ds = CachedDataset(Synthetic(20, count_dir=counts), cache_dir)
+    for i in range(20):
+        assert_same(ds[i], sample_for(i))
+    assert sorted(source_reads(counts)) == list(range(20))
+
+
+def test_transform_runs_on_every_access_and_is_never_cached(cache_dir):
+    """transform sees the cached sample on every read; its random output is fresh each time and not stored."""
+    gen = torch.Generator().manual_seed(0)
+
+    def augment(sample):
+        image, label = sample
+        return image.float() + torch.rand(image.shape, generator=gen), label
+
+    ds = CachedDataset(Synthetic(4), cache_dir, transform=augment)
+    first, second = ds[2], ds[2]
+    assert not torch.equal(first[0], second[0])
+    assert torch.equal(first[0].floor(), sample_for(2)[0].float())
+    assert_same(CachedDataset.open(cache_dir)[2], sample_for(2))  # the stored sample is untransformed
+    batch = ds.__getitems__([0, 1])
+    assert batch[0][0].dtype == torch.float32
+
+
+def test_getitems_reads_a_batch_and_fills_misses(cache_dir, counts):
+    """__getitems__ returns what __getitem__ would, fills its misses together, and takes numpy/negative indices."""
+    ds = CachedDataset(Synthetic(30, count_dir=counts), cache_dir)
+    ds[5]
+    batch = ds.__getitems__([5, 1, np.int64(2), -1, 5])
+    assert [s[1] for s in batch] == [5, 1, 2, 29, 5]
+    for s in batch:
+        assert_same(s, sample_for(s[1]))
+    assert sorted(set(source_reads(counts))) == [1, 2, 5, 29]
+    with pytest.raises(IndexError):
+        ds.__getitems__([0, 30])
+
+
+def test_dataloader_uses_the_cache_even_around_a_subset(cache_dir, counts):
+    """A wrapped Subset's __getitems__ is not exposed: the DataLoader reads through the cache, every epoch."""
+    inner = Subset(Synthetic(40, count_dir=counts), list(range(0, 40, 2)))
+    ds = CachedDataset(inner, cache_dir)
+    assert ds.__getitems__.__self__ is ds
+    with pytest.raises(AttributeError):
+        _ = ds.__getitems_from_source__  # private names never read through
+    assert ds.indices == inner.indices  # public attributes do
+    for _ in range(2):
+        seen = [int(v) for _, y in DataLoader(ds, batch_size=8, shuffle=True) for v in y]
+        assert sorted(seen) == list(range(0, 40, 2))
+    assert sorted(source_reads(counts)) == list(range(0, 40, 2))  # each source index once, over 2 epochs
+
+
+def test_construction_and_unpickling_read_nothing(cache_dir, counts):
+    """Constructing or unpickling reads no sample, and an unpickled copy holds no open environment."""
+    ds = CachedDataset(Synthetic(10, count_dir=counts), cache_dir)
+    clone = pickle.loads(pickle.dumps(ds))
+    assert source_reads(counts) == []
+    assert clone._store is None and clone.path == ds.path and len(clone) == 10
+    assert clone[3][1] == 3
+
+
+def test_cached_count_is_complete_close_and_context_manager(cache_dir):
+    """cached_count and is_complete follow the fill (queued misses included); close() commits them."""
+    with CachedDataset(Synthetic(5), cache_dir, commit_every=1000) as ds:
+        assert ds.cached_count == 0 and not ds.is_complete
+        ds[0], ds[1]
+        assert ds.cached_count == 2
+        for i in range(5):
+            ds[i]
+        assert ds.is_complete
+    assert _store._stores == {}  # the context manager released the handle
+    assert CachedDataset.open(cache_dir).is_complete
+
+
+def test_commits_are_batched(cache_dir):
+    """Misses are committed in batches (one LMDB transaction per commit_every samples), not one per sample."""
+    ds = CachedDataset(Synthetic(1000), cache_dir, commit_every=250)
+    store = ds._live_store()
+    before = store._env.info()["last_txnid"]
+    for i in range(1000):
+        ds[i]
+    ds.flush()
+    assert store._env.info()["last_txnid"] - before == 4
+    assert ds.cached_count == 1000
+
+
+def test_open_without_source(cache_dir):
+    """CachedDataset.open serves a complete cache alone; a miss raises SampleNotCachedError naming the index."""
+    CachedDataset(Synthetic(6), cache_dir).__getitems__(list(range(6)))
+    _store._flush_all_at_exit()
+    ds = CachedDataset.open(cache_dir)
+    assert len(ds) == 6 and ds.is_complete and ds.fingerprint.endswith("Synthetic:6")
+    assert [ds[i][1] for i in range(6)] == list(range(6))
+    assert [s[1] for s in DataLoader(ds, batch_size=4, num_workers=0)] != []
+    with pytest.raises(AttributeError):
+        _ = ds.anything
+
+
+def test_incomplete_cache_without_source_never_raises_indexerror(cache_dir):
+    """A shard opened alone raises a library error on a miss, so `for x in ds` cannot silently stop early."""
+    with CachedDataset(Synthetic(8), cache_dir) as ds:
+        for i in (0, 1, 2, 4):
+            ds[i]
+    shard = CachedDataset.open(cache_dir)
+    assert shard.cached_count == 4
+    with pytest.raises(SampleNotCachedError, match="Index 3") as info:
+        list(shard)
+    assert not isinstance(info.value, IndexError) and isinstance(info.value, LookupError)
+    with pytest.raises(SampleNotCachedError):
+        shard.__getitems__([0, 5])
+
+
+def test_missing_cache_without_source(tmp_path):
+    """Opening a path that holds no cache without a source is a clear error and creates nothing."""
+    with pytest.raises(NotACacheError, match="no cache"):
+        CachedDataset.open(tmp_path / "nothing")
+    assert not (tmp_path / "nothing").exists()
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (dict(dataset=Synthetic(11)), "length 10 but the dataset has length 11"),
+        (dict(fingerprint="v2"), "fingerprint 'helpers.Synthetic:10' but the dataset has 'v2'"),
+    ],
+)
+def test_mismatch_says_what_and_how_to_fix(cache_dir, change, match):
+    """Reopening for another length or fingerprint raises CacheMismatchError with both values and the fix."""
+    with CachedDataset(Synthetic(10), cache_dir) as ds:
+        ds[0]
+    kwargs = {"dataset": Synthetic(10), **change}
+    with pytest.raises(CacheMismatchError, match=match) as info:
+        CachedDataset(kwargs.pop("dataset"), cache_dir, **kwargs)
+    assert "overwrite=True" in str(info.value) and str(cache_dir) in str(info.value)
+    assert _store._stores == {}  # nothing left open
+
+
+def test_overwrite_after_a_mismatch_works_in_the_same_process(cache_dir):
+    """The fix the message suggests, overwrite=True, works right away in the same process (a notebook)."""
+    with CachedDataset(Synthetic(10), cache_dir) as ds:
+        ds[0], ds[1]
+    with pytest.raises(CacheMismatchError):
+        CachedDataset(Synthetic(12), cache_dir)
+    ds = CachedDataset(Synthetic(12), cache_dir, overwrite=True)
+    assert ds.cached_count == 0 and len(ds) == 12
+    assert ds[11][1] == 11
+    ds.close()
+    assert len(CachedDataset.open(cache_dir)) == 12
+
+
+def test_newer_format_is_refused(cache_dir):
+    """A cache written by a newer on-disk format raises CacheMismatchError naming both versions."""
+    with CachedDataset(Synthetic(3), cache_dir) as ds:
+        ds[0]
+    import msgpack
+
+    with lmdb.open(str(cache_dir), max_dbs=2) as env:
+        meta_db = env.open_db(b"meta")
+        with env.begin(write=True) as txn:
+            meta = msgpack.unpackb(txn.get(b"meta", db=meta_db))
+            meta["format_version"] = lmdbcache.FORMAT_VERSION + 1
+            txn.put(b"meta", msgpack.packb(meta), db=meta_db)
+    with pytest.raises(
+        CacheMismatchError, match=f"format {lmdbcache.FORMAT_VERSION + 1}.*up to {lmdbcache.FORMAT_VERSION}"
+    ):
+        CachedDataset(Synthetic(3), cache_dir)
+    with pytest.raises(CacheMismatchError):
+        CachedDataset.open(cache_dir)
+
+
+def test_source_errors_propagate_with_the_index(cache_dir):
+    """A source that raises propagates its own exception, noting the index; nothing half-written remains."""
+    ds = CachedDataset(Failing(16, bad=5), cache_dir)
+    for i in range(5):
+        ds[i]
+    with pytest.raises(ValueError, match="cannot decode file 5") as info:
+        ds[5]
+    assert any("index 5" in note for note in info.value.__notes__)
+    with pytest.raises(ValueError):
+        ds.__getitems__([6, 5, 7])
+    assert ds.cached_count == 5
+    ds[6]
+    assert ds.cached_count == 6
+
+
+def test_unencodable_sample_writes_nothing(cache_dir):
+    """A sample the codec cannot store raises a TypeError naming index and location, and is not cached."""
+    ds = CachedDataset(Listed([(1, 2), (1, {"when": object()})]), cache_dir)
+    ds[0]
+    with pytest.raises(UnsupportedSampleError, match=r"index 1 at sample\[1\]\['when'\]") as info:
+        ds[1]
+    assert isinstance(info.value, TypeError)
+    assert ds.cached_count == 1
+
+
+def test_path_that_is_a_file(tmp_path):
+    """A cache path that is a regular file is refused with a clear error; the file is untouched."""
+    path = tmp_path / "file"
+    path.write_text("keep me")
+    with pytest.raises(NotACacheError, match="is a file"):
+        CachedDataset(Synthetic(3), path)
+    assert path.read_text() == "keep me"
+
+
+def test_map_grows_without_losing_a_batch(cache_dir):
+    """From a 1 MiB map, a fill of ~40 MiB grows the map as needed and every queued record lands."""
+    samples = [(torch.full((512, 1024), i % 251, dtype=torch.uint8), i) for i in range(80)]  # 512 KiB each
+    ds = CachedDataset(Listed(samples), cache_dir, map_size=1 << 20, commit_every=30)
+    for i in range(80):
+        ds[i]
+    ds.flush()
+    assert ds._live_store()._env.info()["map_size"] > 40 << 20
+    reopened = CachedDataset.open(cache_dir)
+    assert reopened.cached_count == 80
+    for i in random.Random(0).sample(range(80), 20):
+        assert_same(reopened[i], samples[i])
+
+
+def test_max_readers_is_configurable(cache_dir):
+    """max_readers sets the size of LMDB's reader table (well above LMDB's default of 126 by default)."""
+    with CachedDataset(Synthetic(3), cache_dir) as ds:
+        ds[0]
+        assert ds._live_store()._env.max_readers() == 1024
+    _store._stores.clear()
+    other = cache_dir.parent / "other"
+    with CachedDataset(Synthetic(3), other, max_readers=4000) as ds:
+        ds[0]
+        assert ds._live_store()._env.max_readers() == 4000
+
+
+def test_network_filesystem_warns_once(cache_dir, monkeypatch):
+    """A cache directory on NFS (or another network filesystem) warns once that LMDB's locking is unsafe there."""
+    monkeypatch.setattr(_store, "filesystem_type", lambda path: "nfs4")
+    with pytest.warns(lmdbcache.LmdbCacheWarning, match="network filesystem"):
+        CachedDataset(Synthetic(3), cache_dir).close()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        CachedDataset(Synthetic(3), cache_dir).close()
+
+
+def test_filesystem_type_from_mountinfo():
+    """The filesystem type comes from the longest mount point containing the path."""
+    mountinfo = (
+        "22 1 8:1 / / rw,relatime - ext4 /dev/sda1 rw\n"
+        "40 22 0:50 / /mnt/data rw - nfs4 server:/export rw\n"
+        "41 40 0:51 / /mnt/data/local\\040dir rw - tmpfs tmpfs rw\n"
+    )
+    assert _store.filesystem_type("/home/x", mountinfo) == "ext4"
+    assert _store.filesystem_type("/mnt/data/cache", mountinfo) == "nfs4"
+    assert _store.filesystem_type("/mnt/database", mountinfo) == "ext4"
+    assert _store.filesystem_type("/mnt/data/local dir/c", mountinfo) == "tmpfs"
+
+
+def test_repr_and_errors_subclass_the_base(cache_dir):
+    """The repr names the path; every library error subclasses LmdbCacheError."""
+    ds = CachedDataset(Synthetic(3), cache_dir)
+    assert str(cache_dir) in repr(ds) and "3 samples" in repr(ds)
+    for cls in (CacheMismatchError, NotACacheError, SampleNotCachedError, UnsupportedSampleError):
+        assert issubclass(cls, LmdbCacheError)
+
+
+def test_checksum_always_and_once(cache_dir):
+    """checksum='once' verifies each index on its first read in a process; 'always' on every read."""
+    with CachedDataset(Synthetic(4), cache_dir) as ds:
+        ds.__getitems__([0, 1, 2, 3])
+    once = CachedDataset.open(cache_dir)
+    once[1]
+    assert list(once._live_store()._verified) == [0, 1, 0, 0]
+    once.close()
+    _store._stores.clear()
+    always = CachedDataset.open(cache_dir, checksum="always")
+    always[1]
+    assert always._live_store()._verified is None
+    with pytest.raises(ValueError, match="checksum"):
+        CachedDataset.open(cache_dir, checksum="never")
+
+
+def test_environment_variable_free_paths(tmp_path, monkeypatch):
+    """Relative paths and pathlib paths both work and resolve to one handle per directory."""
+    monkeypatch.chdir(tmp_path)
+    a = CachedDataset(Synthetic(3), "rel.lmdb")
+    b = CachedDataset(Synthetic(3), tmp_path / "rel.lmdb")
+    a[0]
+    assert a._live_store() is b._live_store()
+    assert os.path.isdir(tmp_path / "rel.lmdb")

@@ -1,0 +1,282 @@
+"""Many processes on one cache: DataLoader workers (fork, spawn, forkserver), separate scripts, SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import lmdb
+import pytest
+import torch
+from helpers import Synthetic, assert_same, sample_for, source_reads
+from torch.utils.data import DataLoader
+
+from lmdbcache import CachedDataset, ReadersFullError, SampleNotCachedError
+from lmdbcache import store as _store
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
+
+
+def run_script(code: str, *args: str, wait: bool = True, **kwargs) -> subprocess.Popen | subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter with the package and tests/helpers importable."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
+    argv = [sys.executable, "-c", textwrap.dedent(code), *args]
+    if not wait:
+        return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, **kwargs)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def check_cache(path, n: int) -> None:
+    """Every index is cached exactly once and equals its source sample."""
+    ds = CachedDataset.open(path)
+    assert ds.cached_count == n
+    for i in range(n):
+        assert_same(ds[i], sample_for(i))
+    ds.close()
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_dataloader_workers_fill_one_cache(cache_dir, counts, context, persistent):
+    """Two workers fill the cache concurrently; each index is decoded once; epoch 2 reads only the cache."""
+    n = 96
+    ds = CachedDataset(Synthetic(n, count_dir=counts), cache_dir)
+    ds[0]  # the main process holds the cache open when the workers start
+    loader = DataLoader(
+        ds, batch_size=8, shuffle=True, num_workers=2, multiprocessing_context=context, persistent_workers=persistent
+    )
+    for _epoch in range(2):
+        time.sleep(1.5 if persistent else 0)  # idle persistent workers commit within commit_interval (1 s)
+        labels = []
+        for images, batch_labels in loader:
+            for image, label in zip(images, batch_labels):
+                assert torch.equal(image, sample_for(int(label))[0])
+                labels.append(int(label))
+        assert sorted(labels) == list(range(n))
+    del loader  # workers exit, committing what they queued
+    assert sorted(source_reads(counts)) == list(range(n))
+    assert ds.cached_count == n
+    ds.close()
+    check_cache(cache_dir, n)
+
+
+def test_main_process_keeps_working_across_worker_forks(cache_dir):
+    """The main process reads before, between and after forking workers (its handle is closed and reopened)."""
+    ds = CachedDataset(Synthetic(40), cache_dir)
+    for epoch in range(3):
+        assert_same(ds[epoch], sample_for(epoch))
+        assert (
+            sum(len(y) for _, y in DataLoader(ds, batch_size=10, num_workers=2, multiprocessing_context="fork")) == 40
+        )
+    assert ds.is_complete
+
+
+FILL_SCRIPT = """
+    import random, sys
+    from helpers import Synthetic, sample_for, assert_same
+    from lmdbcache import CachedDataset
+    path, n, seed, delay = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+    ds = CachedDataset(Synthetic(n, delay=delay), path, commit_every=int(sys.argv[5]) if len(sys.argv) > 5 else 256)
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    for i in order:
+        assert_same(ds[i], sample_for(i))
+    print("done", flush=True)
+"""
+
+
+def test_two_scripts_fill_one_cache_at_once(cache_dir):
+    """Two independent processes fill the same new cache at the same time: no error, every index once and right."""
+    n = 400
+    with run_script(FILL_SCRIPT, str(cache_dir), str(n), "1", "0.001", "16", wait=False) as a:
+        with run_script(FILL_SCRIPT, str(cache_dir), str(n), "2", "0.001", "16", wait=False) as b:
+            for p in (a, b):
+                _, err = p.communicate(timeout=120)
+                assert p.returncode == 0, err
+    check_cache(cache_dir, n)
+    with lmdb.open(str(cache_dir), max_dbs=2, readonly=True, lock=False) as env, env.begin() as txn:
+        assert txn.stat(env.open_db(b"samples", txn=txn, create=False))["entries"] == n
+
+
+def test_reader_runs_while_another_process_fills(cache_dir):
+    """A process reading (and filling) at random while another one fills sees only correct samples."""
+    n = 300
+    CachedDataset(Synthetic(n), cache_dir).close()
+    ds = CachedDataset(Synthetic(n), cache_dir)
+    reads = 0
+    with run_script(FILL_SCRIPT, str(cache_dir), str(n), "7", "0.002", "8", wait=False) as writer:
+        deadline = time.monotonic() + 60
+        while writer.poll() is None and time.monotonic() < deadline:
+            i = reads * 37 % n
+            assert_same(ds[i], sample_for(i))
+            reads += 1
+        _, err = writer.communicate(timeout=60)
+        assert writer.returncode == 0, err
+    assert reads > 0
+    ds.close()
+    check_cache(cache_dir, n)
+
+
+def test_sigkilled_writer_then_clean_reopen(cache_dir):
+    """A writer SIGKILLed mid-fill leaves every committed sample intact; a reopen refills the rest."""
+    n = 2000
+    with run_script(FILL_SCRIPT, str(cache_dir), str(n), "3", "0.001", "10", wait=False) as proc:
+        wait_for_count(cache_dir, 100)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    ds = CachedDataset(Synthetic(n), cache_dir)
+    committed = ds.cached_count
+    assert 100 <= committed < n
+    reader = CachedDataset.open(cache_dir)
+    good = [i for i in range(n) if _cached(reader, i)]
+    assert len(good) == committed
+    for i in good:
+        assert_same(reader[i], sample_for(i))
+    for i in range(n):
+        assert_same(ds[i], sample_for(i))
+    ds.close()
+    check_cache(cache_dir, n)
+
+
+def wait_for_count(path, count: int, timeout: float = 60) -> None:
+    """Poll (read-only) until at least ``count`` samples are committed at ``path``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with lmdb.open(str(path), max_dbs=2, readonly=True) as env, env.begin() as txn:
+                if txn.stat(env.open_db(b"samples", txn=txn, create=False))["entries"] >= count:
+                    return
+        except lmdb.Error:
+            pass  # not created yet
+        time.sleep(0.02)
+    raise AssertionError(f"{path} never reached {count} samples")
+
+
+def _cached(ds, i) -> bool:
+    try:
+        ds[i]
+    except SampleNotCachedError:
+        return False
+    return True
+
+
+def test_queued_samples_are_committed_at_interpreter_exit(cache_dir):
+    """A script that never calls close() still commits its queued misses when it exits normally."""
+    run_script(FILL_SCRIPT, str(cache_dir), "50", "0", "0", "100000")
+    check_cache(cache_dir, 50)
+
+
+def test_overwrite_wipes_once_not_in_each_worker(cache_dir, counts):
+    """overwrite=True empties the cache in the constructing process only; spawn workers never wipe again."""
+    with CachedDataset(Synthetic(20), cache_dir) as old:
+        old.__getitems__(list(range(20)))
+    ds = CachedDataset(Synthetic(20, count_dir=counts), cache_dir, overwrite=True)
+    assert ds.cached_count == 0
+    ds[0]
+    ds.flush()
+    loader = DataLoader(ds, batch_size=5, num_workers=2, multiprocessing_context="spawn")
+    assert sum(len(y) for _, y in loader) == 20
+    del loader
+    assert ds.cached_count == 20
+    assert sorted(source_reads(counts)) == list(range(20))  # index 0 was not wiped and decoded again
+
+
+def test_worker_errors_reach_the_main_process_with_their_type(tmp_path):
+    """A library error in a worker is re-raised in the main process as the same class, message intact."""
+    shard = tmp_path / "shard"
+    with CachedDataset(Synthetic(10), shard) as ds:
+        ds[0]
+    loader = DataLoader(CachedDataset.open(shard), batch_size=2, num_workers=1, multiprocessing_context="spawn")
+    batches = iter(loader)
+    try:
+        with pytest.raises(SampleNotCachedError, match="Index 1 is not in cache"):
+            next(batches)
+    finally:
+        batches._shutdown_workers()
+
+
+HOLD_READER = """
+    import sys, time, lmdb
+    env = lmdb.open(sys.argv[1], max_dbs=2, max_readers=int(sys.argv[2]))
+    txn = env.begin()
+    print("holding", flush=True)
+    time.sleep(float(sys.argv[3]))
+"""
+
+
+def test_dead_readers_are_reclaimed_on_open(cache_dir):
+    """Reader slots left by SIGKILLed processes are reclaimed when the cache is opened."""
+    CachedDataset(Synthetic(5), cache_dir).close()
+    _store._stores.clear()
+    pids = []
+    for _ in range(3):
+        with run_script(HOLD_READER, str(cache_dir), "1024", "60", wait=False) as p:
+            assert p.stdout.readline().strip() == "holding"
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+            pids.append(p.pid)
+    ds = CachedDataset(Synthetic(5), cache_dir)
+    ds[0]
+    readers = ds._live_store()._env.readers()
+    assert not any(str(pid) in readers for pid in pids)
+    ds.close()
+
+
+def test_exhausted_reader_table_is_a_clear_error(cache_dir):
+    """When live processes hold every reader slot, reads raise ReadersFullError saying how to fix it."""
+    CachedDataset(Synthetic(5), cache_dir, max_readers=2).close()
+    _store._stores.clear()
+    with run_script(HOLD_READER, str(cache_dir), "2", "60", wait=False) as a:
+        with run_script(HOLD_READER, str(cache_dir), "2", "60", wait=False) as b:
+            try:
+                for p in (a, b):
+                    assert p.stdout.readline().strip() == "holding"
+                with pytest.raises(ReadersFullError, match="max_readers"):
+                    CachedDataset(Synthetic(5), cache_dir, max_readers=2)
+            finally:
+                for p in (a, b):
+                    p.kill()
+
+
+GROW_SCRIPT = """
+    import sys, torch
+    from helpers import Listed
+    from lmdbcache import CachedDataset
+    samples = [(torch.full((1024, 1024), i, dtype=torch.uint8), i) for i in range(60)]
+    ds = CachedDataset(Listed(samples), sys.argv[1], fingerprint="grow", map_size=1 << 20, commit_every=4)
+    for i in range(60):
+        ds[i]
+    ds.close()
+"""
+
+
+def test_readers_keep_working_through_another_process_growing_the_map(cache_dir):
+    """A reader opened on a 1 MiB map keeps reading while another process grows it to ~60 MiB (MapResizedError)."""
+    from helpers import Listed
+
+    ds = CachedDataset(Listed([(torch.zeros(1), 0)] * 60), cache_dir, fingerprint="grow", map_size=1 << 20)
+    seen = set()
+    with run_script(GROW_SCRIPT, str(cache_dir), wait=False) as writer:
+        while writer.poll() is None:
+            for i in range(60):
+                try:
+                    sample = ds._live_store().get(i)
+                except Exception as exc:
+                    writer.kill()
+                    raise AssertionError(f"read failed during growth: {exc!r}") from exc
+                if sample is not _store.MISSING:
+                    assert sample[1] == i and int(sample[0][0, 0]) == i
+                    seen.add(i)
+        _, err = writer.communicate()
+        assert writer.returncode == 0, err
+    assert ds.cached_count == 60
+    assert ds._live_store()._env.info()["map_size"] >= 60 << 20
+    assert len(seen) > 0
