@@ -1,0 +1,1 @@
+"""Benchmarks for lmdbcache: ``python -m bench.core`` (read path and fill) and ``make bench``."""
