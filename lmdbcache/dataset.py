@@ -18,9 +18,13 @@ __all__ = ["CachedDataset", "default_fingerprint"]
 
 
 def default_fingerprint(dataset: Any) -> str:
-    """``module.Class:length`` of the wrapped dataset. Pass ``fingerprint=`` for anything stronger."""
-    cls = type(dataset)
-    return f"{cls.__module__}.{cls.__qualname__}:{len(dataset)}"
+    """``Class:length`` of the wrapped dataset. Pass ``fingerprint=`` for anything stronger.
+
+    The module is left out on purpose: the same class imported as ``scripts.data`` by a
+    training script and as ``data`` by ``lmdbcache precompute scripts/data.py:make`` must
+    open the same cache.
+    """
+    return f"{type(dataset).__qualname__}:{len(dataset)}"
 
 
 class CachedDataset(Dataset):

@@ -188,7 +188,7 @@ def test_missing_cache_without_source(tmp_path):
     ("change", "match"),
     [
         (dict(dataset=Synthetic(11)), "length 10 but the dataset has length 11"),
-        (dict(fingerprint="v2"), "fingerprint 'helpers.Synthetic:10' but the dataset has 'v2'"),
+        (dict(fingerprint="v2"), "fingerprint 'Synthetic:10' but the dataset has 'v2'"),
     ],
 )
 def test_mismatch_says_what_and_how_to_fix(cache_dir, change, match):
