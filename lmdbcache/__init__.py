@@ -16,6 +16,7 @@ from .errors import (
     SampleNotCachedError,
     UnsupportedSampleError,
 )
+from .precompute import NondeterministicDatasetError, PrecomputeResult, SourceItemError, precompute
 from .store import LmdbCacheWarning
 
 __all__ = [
@@ -27,11 +28,15 @@ __all__ = [
     "CorruptSampleError",
     "LmdbCacheError",
     "LmdbCacheWarning",
+    "NondeterministicDatasetError",
     "NotACacheError",
+    "PrecomputeResult",
     "ReadOnlyCacheError",
     "ReadersFullError",
     "SampleNotCachedError",
+    "SourceItemError",
     "UnsupportedSampleError",
     "__version__",
     "default_fingerprint",
+    "precompute",
 ]

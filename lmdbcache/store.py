@@ -511,6 +511,19 @@ class Store:
             "from the source on the next read)."
         )
 
+    def env_info(self) -> dict[str, Any]:
+        """LMDB's ``Environment.info()`` (map size, last page, readers) for this cache."""
+        with self._lock:
+            return dict((self._env or self._env_or_open()).info())
+
+    def copy_to(self, path: str) -> None:
+        """LMDB's compacting copy of one consistent snapshot into the empty directory ``path``."""
+        with self._lock:
+            try:
+                (self._env or self._env_or_open()).copy(path, compact=True)
+            except lmdb.Error as exc:
+                raise _write_failure(exc, path, "the copy was abandoned") from exc
+
     def count(self) -> int:
         """Committed samples, after committing this process's queue."""
         self.flush()
@@ -525,23 +538,31 @@ class Store:
 
     def iter_raw(self, start: int = 0, chunk: int = 256) -> Iterator[tuple[int, bytes]]:
         """Yield (index, stored value) in key order, ``chunk`` records per read transaction."""
+        return self._scan(start, chunk, values=True)
+
+    def iter_keys(self, start: int = 0, chunk: int = 65536) -> Iterator[int]:
+        """Yield every cached index in order (keys only: no value is read)."""
+        return (index for index, _ in self._scan(start, chunk, values=False))
+
+    def _scan(self, start: int, chunk: int, values: bool) -> Iterator[tuple[int, Any]]:
+        # Short read transactions: a long scan never pins a snapshot that writers must move past.
         key = _KEY(start)
         while True:
-            batch: list[tuple[bytes, bytes]] = []
+            batch: list[tuple[int, Any]] = []
             with self._lock, self._begin(self._env or self._env_or_open()) as txn:
                 cursor = txn.cursor(db=self._samples)
                 if cursor.set_range(key):
-                    for k, v in cursor:
+                    records = cursor.iternext() if values else ((k, None) for k in cursor.iternext(values=False))
+                    for k, v in records:
+                        if len(k) != 8:
+                            raise CorruptCacheError(f"Cache '{self.path}' holds a key of {len(k)} bytes: {bytes(k)!r}")
+                        batch.append((_UNKEY(k)[0], None if v is None else bytes(v)))
                         if len(batch) == chunk:
                             break
-                        batch.append((bytes(k), bytes(v)))
-            if not batch:
-                return
-            for k, v in batch:
-                yield _UNKEY(k)[0], v
+            yield from batch
             if len(batch) < chunk:
                 return
-            key = _KEY(_UNKEY(batch[-1][0])[0] + 1)
+            key = _KEY(batch[-1][0] + 1)
 
     # ------------------------------------------------------------------ writing
 
@@ -632,7 +653,12 @@ class Store:
                 except lmdb.MapResizedError:
                     env.set_mapsize(0)
                 except lmdb.Error as exc:
-                    raise self._write_error(exc, len(items)) from exc
+                    raise _write_failure(
+                        exc,
+                        self.path,
+                        f"{len(items)} samples were not cached (they are decoded again on the next read; "
+                        "everything committed before is intact)",
+                    ) from exc
         raise LmdbCacheError(f"Cache '{self.path}': could not make room for {need} bytes after 64 map growths.")
 
     def _check_cache_id(self, txn: lmdb.Transaction) -> None:
@@ -657,18 +683,6 @@ class Store:
         used = (info["last_pgno"] + 1) * env.stat()["psize"]
         size = max(2 * info["map_size"], used + 2 * need + 16 * _MIB)
         env.set_mapsize(-(-size // _MIB) * _MIB)  # a whole number of MiB, hence of pages
-
-    def _write_error(self, exc: lmdb.Error, count: int) -> LmdbCacheError:
-        if isinstance(exc, lmdb.ReadonlyError):
-            return ReadOnlyCacheError(f"Cache '{self.path}' is read-only; {count} samples were not cached.")
-        free = shutil.disk_usage(self.path).free
-        if free < 64 * _MIB or "space" in str(exc):
-            return CacheFullError(
-                f"The disk holding cache '{self.path}' is full ({free} bytes free): {count} samples were not "
-                "cached (they are decoded again on the next read; everything committed before is intact). "
-                f"Free some space or move the cache. LMDB said: {exc}"
-            )
-        return _translate(exc, self.path, "writing")
 
     # ------------------------------------------------------------------ closing
 
@@ -810,6 +824,20 @@ def _remove_lmdb_files(path: str) -> None:
             os.remove(os.path.join(path, name))
         except FileNotFoundError:
             pass
+
+
+def _write_failure(exc: lmdb.Error, path: str, lost: str) -> LmdbCacheError:
+    """The error for a failed write to ``path``; ``lost`` says what did not get written."""
+    if isinstance(exc, lmdb.ReadonlyError):
+        return ReadOnlyCacheError(f"Cache '{path}' is read-only: {lost}.")
+    free = shutil.disk_usage(path).free
+    # LMDB reports a short write on a full disk as EIO, so judge by the free space.
+    if free < 64 * _MIB or "space" in str(exc):
+        return CacheFullError(
+            f"The disk holding '{path}' is full ({free:,} bytes free): {lost}. Free some space or move the "
+            f"cache. (LMDB said: {exc})"
+        )
+    return _translate(exc, path, "writing")
 
 
 def _translate(exc: lmdb.Error, path: str, action: str) -> LmdbCacheError:

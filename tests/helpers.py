@@ -108,3 +108,38 @@ def assert_same(a: Any, b: Any, where: str = "sample") -> None:
         assert a.getpalette() == b.getpalette(), where
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+class Noisy(Dataset):
+    """Random augmentation inside the dataset: what the determinism guard must catch."""
+
+    def __init__(self, n: int = 50) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.rand(4), i
+
+
+class Big(Dataset):
+    """Incompressible ~1 MiB samples, to fill a small disk."""
+
+    def __init__(self, n: int = 64) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        g = torch.Generator().manual_seed(i)
+        return torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=g), i
+
+
+TESTS_CONSTANT = 3
+
+
+def not_a_dataset() -> int:
+    """A SPEC callable that returns something that is not a dataset."""
+    return 42

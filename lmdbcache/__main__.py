@@ -1,0 +1,9 @@
+"""``python -m lmdbcache`` (and ``torchrun -m lmdbcache precompute ...``)."""
+
+from __future__ import annotations
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,262 @@
+"""Build a whole cache before training: parallel decode, one writer, resumable, shardable.
+
+Sharding is a fixed assignment: index ``i`` belongs to shard ``i % N`` of ``N`` (round
+robin, so every shard gets a fair mix of the dataset). Under ``torchrun`` (``LOCAL_RANK``
+and ``LOCAL_WORLD_SIZE`` in the environment) the local ranks of a node split the indices
+of their shard the same way, and all write the one node-local cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from torch.utils.data import DataLoader, Dataset
+
+from . import store as _store
+from .codec import encode
+from .dataset import default_fingerprint
+from .errors import LmdbCacheError
+
+__all__ = ["NondeterministicDatasetError", "PrecomputeResult", "SourceItemError", "precompute", "shard_indices"]
+
+
+class NondeterministicDatasetError(LmdbCacheError, ValueError):
+    """The wrapped dataset returned different samples for the same index on two calls."""
+
+
+class SourceItemError(LmdbCacheError, RuntimeError):
+    """The wrapped dataset raised while precompute was reading one index (what was written is kept)."""
+
+
+@dataclasses.dataclass
+class PrecomputeResult:
+    """What one precompute run did (also the closing summary line)."""
+
+    path: str
+    written: int
+    skipped: int
+    seconds: float
+    cached: int
+    length: int
+    size_bytes: int
+    interrupted: bool = False
+
+    @property
+    def rate(self) -> float:
+        return self.written / self.seconds if self.seconds > 0 else 0.0
+
+    def summary(self) -> str:
+        head = "Interrupted: kept" if self.interrupted else "Wrote"
+        tail = " Rerun the same command to resume." if self.interrupted else ""
+        return (
+            f"{head} {self.written} samples, skipped {self.skipped} already cached, in {self.seconds:.1f} s "
+            f"({self.rate:,.0f} samples/s); '{self.path}' now holds {self.cached}/{self.length} samples, "
+            f"{self.size_bytes / 2**20:,.1f} MB on disk.{tail}"
+        )
+
+
+def shard_indices(length: int, shard: tuple[int, int] | None = None, local: tuple[int, int] | None = None) -> range:
+    """The indices of ``shard`` (I, N), split again for local rank ``local`` (R, W): ``i % N == I``, then 1 in W."""
+    index, count = shard or (0, 1)
+    if not (count >= 1 and 0 <= index < count):
+        raise ValueError(f"shard must be I/N with 0 <= I < N (I counted from 0), not {index}/{count}")
+    rank, world = local or (0, 1)
+    return range(index + rank * count, length, count * world)
+
+
+class _Encoded(Dataset):
+    """Decodes and encodes in the workers, so the writer only copies bytes into LMDB."""
+
+    def __init__(self, dataset: Any, indices: Sequence[int]) -> None:
+        self.dataset, self.indices = dataset, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, k: int) -> tuple[int, bytes | None, str | None]:
+        index = self.indices[k]
+        try:
+            return index, encode(self.dataset[index], where=f"index {index}"), None
+        except Exception as exc:  # reported by the writer with its index; the run stops cleanly
+            return index, None, f"{type(exc).__name__}: {exc}"
+
+
+def _collate(batch: list) -> list:
+    return batch
+
+
+def torchrun_local() -> tuple[int, int] | None:
+    """(LOCAL_RANK, LOCAL_WORLD_SIZE) when launched by torchrun with more than one local process."""
+    try:
+        rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+    return (rank, world) if world > 1 else None
+
+
+def precompute(
+    dataset: Any,
+    path: str | os.PathLike[str],
+    *,
+    num_workers: int | None = None,
+    shard: tuple[int, int] | None = None,
+    local: tuple[int, int] | None = None,
+    fingerprint: str | None = None,
+    overwrite: bool = False,
+    check_determinism: int = 3,
+    allow_nondeterministic: bool = False,
+    batch_size: int = 16,
+    commit_every: int = 1024,
+    commit_bytes: int = 256 << 20,
+    map_size: int = 64 << 20,
+    progress: bool | None = None,
+) -> PrecomputeResult:
+    """Decode every index of ``dataset`` (or of one shard) into the cache at ``path``.
+
+    ``num_workers`` DataLoader workers decode and encode (default: the CPU count, split
+    between torchrun's local ranks); this process writes, committing every
+    ``commit_every`` samples or ``commit_bytes`` bytes. Already cached indices are
+    skipped, so an interrupted run resumes where it stopped. ``local`` is (local rank,
+    local world size); by default it comes from torchrun's environment.
+
+    Before writing, ``check_determinism`` indices are decoded twice; if the two samples
+    differ (random augmentation inside the dataset would be frozen into the cache) this
+    raises ``NondeterministicDatasetError`` unless ``allow_nondeterministic``.
+
+    Raises ``SourceItemError`` naming the index when the dataset raises (what was written
+    is kept). Ctrl-C commits what was decoded and returns with ``interrupted=True``.
+    """
+    start = time.perf_counter()
+    path = os.path.abspath(os.fspath(path))
+    local = local if local is not None else torchrun_local()
+    if overwrite and local is not None:
+        raise LmdbCacheError(
+            "overwrite=True with several local ranks would wipe the cache once per rank. Delete the cache "
+            "directory before launching, or run the rebuild as a single process."
+        )
+    length = len(dataset)
+    todo_range = shard_indices(length, shard, local)
+    if num_workers is None:
+        num_workers = max(1, (os.cpu_count() or 1) // (local[1] if local else 1))
+    store = _store.acquire(path, map_size=map_size, commit_every=commit_every, commit_bytes=commit_bytes)
+    try:
+        store.initialize(
+            length=length,
+            fingerprint=fingerprint if fingerprint is not None else default_fingerprint(dataset),
+            overwrite=overwrite,
+        )
+        done = bytearray(length)
+        for index in store.iter_keys():
+            if index < length:
+                done[index] = 1
+        todo = [i for i in todo_range if not done[i]]
+        skipped = len(todo_range) - len(todo)
+        written, interrupted = 0, False
+        if todo and check_determinism > 0:
+            written += _check_determinism(dataset, todo, check_determinism, allow_nondeterministic, store)
+            todo = todo[check_determinism:]
+        try:
+            written += _write_all(dataset, todo, store, num_workers, batch_size, commit_every, commit_bytes, progress)
+        except _Interrupted as stop:
+            written += stop.written
+            interrupted = True
+        cached = store.count()
+    finally:
+        _store.release(store)
+    size = os.path.getsize(os.path.join(path, _store.DATA_FILE))
+    return PrecomputeResult(path, written, skipped, time.perf_counter() - start, cached, length, size, interrupted)
+
+
+def _check_determinism(dataset: Any, todo: list[int], count: int, allow: bool, store: _store.Store) -> int:
+    """Decode the first ``count`` pending indices twice; queue them (they are decoded already)."""
+    checked = todo[:count]
+    values = []
+    for index in checked:
+        first, second = (_encode_source(dataset, index) for _ in range(2))
+        if first != second and not allow:
+            raise NondeterministicDatasetError(
+                f"The dataset returned different samples for index {index} on two calls, so its first decode "
+                "would be frozen into the cache. Move random augmentation out of the dataset into "
+                "CachedDataset(transform=...), or pass --allow-nondeterministic if the difference is harmless."
+            )
+        values.append((index, first))
+    return store.put_many(values)
+
+
+def _encode_source(dataset: Any, index: int) -> bytes:
+    try:
+        return encode(dataset[index], where=f"index {index}")
+    except LmdbCacheError:
+        raise
+    except Exception as exc:
+        raise SourceItemError(f"The dataset raised on index {index}: {type(exc).__name__}: {exc}") from exc
+
+
+class _Interrupted(Exception):
+    def __init__(self, written: int) -> None:
+        super().__init__(written)
+        self.written = written
+
+
+def _write_all(
+    dataset: Any,
+    todo: list[int],
+    store: _store.Store,
+    num_workers: int,
+    batch_size: int,
+    commit_every: int,
+    commit_bytes: int,
+    progress: bool | None,
+) -> int:
+    """The one writer: workers decode and encode, this process commits large batches."""
+    if not todo:
+        return 0
+    from tqdm import tqdm
+
+    tqdm.monitor_interval = 0  # no monitor thread: the workers are forked after this point
+    loader = DataLoader(
+        _Encoded(dataset, todo),
+        batch_size=batch_size,
+        num_workers=num_workers,
+        collate_fn=_collate,
+        prefetch_factor=4 if num_workers else None,
+    )
+    bar = tqdm(total=len(todo), unit="sample", disable=(progress is False) or None, dynamic_ncols=True, smoothing=0.1)
+    pending: list[tuple[int, bytes]] = []
+    pending_bytes = written = 0
+    batches = iter(loader)
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        for batch in batches:
+            for index, value, error in batch:
+                if value is None:
+                    written += store.put_many(pending)
+                    raise SourceItemError(
+                        f"The dataset raised on index {index}: {error}. The {written} samples decoded before it "
+                        "were kept; fix the dataset (or exclude the index) and rerun to resume."
+                    )
+                pending.append((index, value))
+                pending_bytes += len(value)
+            if len(pending) >= commit_every or pending_bytes >= commit_bytes:
+                written += store.put_many(pending)
+                pending, pending_bytes = [], 0
+            bar.update(len(batch))
+        written += store.put_many(pending)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not abort the final commit
+        try:
+            written += store.put_many(pending)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        raise _Interrupted(written) from None
+    finally:
+        bar.close()
+        shutdown = getattr(batches, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+    return written
