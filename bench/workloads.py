@@ -59,4 +59,5 @@ def write_npy(dataset: Dataset, path: Path) -> None:
     out.flush()
     del out
 
+
 __all__ = ["ArrayDataset", "JpegFolder", "MemmapDataset", "make_jpeg_folder", "tensor_data", "write_npy"]

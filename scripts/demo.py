@@ -73,7 +73,7 @@ def main() -> None:
     loader = DataLoader(ds, batch_size=32, shuffle=True, num_workers=2, persistent_workers=True)
     timed("DataLoader, 2 workers, batch 32, first pass", lambda: sum(len(y) for _, y in loader))
     timed("DataLoader, 2 workers, batch 32, second pass", lambda: sum(len(y) for _, y in loader))
-    del loader
+    loader = None  # the persistent workers exit and commit
     ds.close()
 
     result = subprocess.run(
