@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import queue
 import signal
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -228,14 +230,15 @@ def _write_all(
     )
     bar = tqdm(total=len(todo), unit="sample", disable=(progress is False) or None, dynamic_ncols=True, smoothing=0.1)
     pending: list[tuple[int, bytes]] = []
-    pending_bytes = written = 0
-    batches = iter(loader)
-    previous = signal.getsignal(signal.SIGINT)
+    pending_bytes = 0
+    batches = iter(loader)  # forks the workers before the committer thread exists
+    committer = _Committer(store)
     try:
         for batch in batches:
             for index, value, error in batch:
                 if value is None:
-                    written += store.put_many(pending)
+                    committer.submit(pending)
+                    written = committer.close()
                     raise SourceItemError(
                         f"The dataset raised on index {index}: {error}. The {written} samples decoded before it "
                         "were kept; fix the dataset (or exclude the index) and rerun to resume."
@@ -243,20 +246,63 @@ def _write_all(
                 pending.append((index, value))
                 pending_bytes += len(value)
             if len(pending) >= commit_every or pending_bytes >= commit_bytes:
-                written += store.put_many(pending)
+                committer.submit(pending)
                 pending, pending_bytes = [], 0
             bar.update(len(batch))
-        written += store.put_many(pending)
+        committer.submit(pending)
+        return committer.close()
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not abort the final commit
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not abort the last commit
         try:
-            written += store.put_many(pending)
+            committer.submit(pending)
+            written = committer.close()
         finally:
             signal.signal(signal.SIGINT, previous)
         raise _Interrupted(written) from None
     finally:
+        committer.close()
         bar.close()
         shutdown = getattr(batches, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()
-    return written
+
+
+class _Committer:
+    """Commits batches on a thread, so draining the workers never waits for a disk sync.
+
+    At most two batches wait in its queue: a disk slower than the decoders holds the
+    reader back instead of growing memory without bound.
+    """
+
+    def __init__(self, store: _store.Store) -> None:
+        self.store = store
+        self.queue: queue.Queue[list[tuple[int, bytes]] | None] = queue.Queue(maxsize=2)
+        self.written = 0
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="lmdbcache-committer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (batch := self.queue.get()) is not None:
+            if self.error is None and batch:
+                try:
+                    self.written += self.store.put_many(batch)
+                except BaseException as exc:
+                    self.error = exc
+
+    def submit(self, batch: list[tuple[int, bytes]]) -> None:
+        self._raise()
+        self.queue.put(batch)
+
+    def close(self) -> int:
+        """Wait for every submitted batch; return how many samples were written."""
+        if self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join()
+        self._raise()
+        return self.written
+
+    def _raise(self) -> None:
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
