@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import queue
 import signal
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -145,7 +143,10 @@ def precompute(
     todo_range = shard_indices(length, shard, local)
     if num_workers is None:
         num_workers = max(1, (os.cpu_count() or 1) // (local[1] if local else 1))
-    store = _store.acquire(path, map_size=map_size, commit_every=commit_every, commit_bytes=commit_bytes)
+    # commit_interval: a commit per ~second of work is plenty; big batches make few syncs.
+    store = _store.acquire(
+        path, map_size=map_size, commit_every=commit_every, commit_bytes=commit_bytes, commit_interval=10.0
+    )
     try:
         store.initialize(
             length=length,
@@ -163,7 +164,7 @@ def precompute(
             written += _check_determinism(dataset, todo, check_determinism, allow_nondeterministic, store)
             todo = todo[check_determinism:]
         try:
-            written += _write_all(dataset, todo, store, num_workers, batch_size, commit_every, commit_bytes, progress)
+            written += _write_all(dataset, todo, store, num_workers, batch_size, progress)
         except _Interrupted as stop:
             written += stop.written
             interrupted = True
@@ -211,11 +212,9 @@ def _write_all(
     store: _store.Store,
     num_workers: int,
     batch_size: int,
-    commit_every: int,
-    commit_bytes: int,
     progress: bool | None,
 ) -> int:
-    """The one writer: workers decode and encode, this process commits large batches."""
+    """Workers decode and encode; this process queues their bytes; the store's thread commits."""
     if not todo:
         return 0
     from tqdm import tqdm
@@ -229,80 +228,31 @@ def _write_all(
         prefetch_factor=4 if num_workers else None,
     )
     bar = tqdm(total=len(todo), unit="sample", disable=(progress is False) or None, dynamic_ncols=True, smoothing=0.1)
-    pending: list[tuple[int, bytes]] = []
-    pending_bytes = 0
-    batches = iter(loader)  # forks the workers before the committer thread exists
-    committer = _Committer(store)
+    written_before = store.written
+    batches = iter(loader)
     try:
         for batch in batches:
             for index, value, error in batch:
                 if value is None:
-                    committer.submit(pending)
-                    written = committer.close()
+                    store.flush()
                     raise SourceItemError(
-                        f"The dataset raised on index {index}: {error}. The {written} samples decoded before it "
-                        "were kept; fix the dataset (or exclude the index) and rerun to resume."
+                        f"The dataset raised on index {index}: {error}. The {store.written - written_before} "
+                        "samples decoded before it were kept; fix the dataset (or exclude the index) and rerun "
+                        "to resume."
                     )
-                pending.append((index, value))
-                pending_bytes += len(value)
-            if len(pending) >= commit_every or pending_bytes >= commit_bytes:
-                committer.submit(pending)
-                pending, pending_bytes = [], 0
+                store.add(index, value)  # the store's committer thread writes batches in the background
             bar.update(len(batch))
-        committer.submit(pending)
-        return committer.close()
+        store.flush()
+        return store.written - written_before
     except KeyboardInterrupt:
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not abort the last commit
         try:
-            committer.submit(pending)
-            written = committer.close()
+            store.flush()
         finally:
             signal.signal(signal.SIGINT, previous)
-        raise _Interrupted(written) from None
+        raise _Interrupted(store.written - written_before) from None
     finally:
-        committer.close()
         bar.close()
         shutdown = getattr(batches, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()
-
-
-class _Committer:
-    """Commits batches on a thread, so draining the workers never waits for a disk sync.
-
-    At most two batches wait in its queue: a disk slower than the decoders holds the
-    reader back instead of growing memory without bound.
-    """
-
-    def __init__(self, store: _store.Store) -> None:
-        self.store = store
-        self.queue: queue.Queue[list[tuple[int, bytes]] | None] = queue.Queue(maxsize=2)
-        self.written = 0
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="lmdbcache-committer", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while (batch := self.queue.get()) is not None:
-            if self.error is None and batch:
-                try:
-                    self.written += self.store.put_many(batch)
-                except BaseException as exc:
-                    self.error = exc
-
-    def submit(self, batch: list[tuple[int, bytes]]) -> None:
-        self._raise()
-        self.queue.put(batch)
-
-    def close(self) -> int:
-        """Wait for every submitted batch; return how many samples were written."""
-        if self.thread.is_alive():
-            self.queue.put(None)
-            self.thread.join()
-        self._raise()
-        return self.written
-
-    def _raise(self) -> None:
-        error, self.error = self.error, None
-        if error is not None:
-            raise error

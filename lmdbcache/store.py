@@ -47,6 +47,7 @@ import lmdb
 import msgpack
 
 from . import codec
+from ._commit import CommitQueue
 from ._version import FORMAT_VERSION, __version__
 from .errors import (
     CacheFullError,
@@ -107,9 +108,6 @@ class Store:
         self.checksum = checksum
         self.map_size = int(map_size)
         self.max_readers = int(max_readers)
-        self.commit_every = max(1, int(commit_every))
-        self.commit_bytes = int(commit_bytes)
-        self.commit_interval = float(commit_interval)
         self.pid = _pid
         self.readonly = False
         self.refs = 0
@@ -119,11 +117,13 @@ class Store:
         self._meta_db: Any = None
         self._file_lock: filelock.BaseFileLock | None = None
         self._cache_id: str | None = None  # the build this process checked; writes verify it
-        self._pending: dict[int, bytes] = {}
-        self._pending_bytes = 0
-        self._pending_since = 0.0
-        self._timer: threading.Timer | None = None  # commits the queue commit_interval after its first sample
-        self._deferred: BaseException | None = None  # an error from a timed commit, raised to the next caller
+        self._queue = CommitQueue(
+            self._lock,
+            self._write_batch,
+            commit_every=commit_every,
+            commit_bytes=commit_bytes,
+            commit_interval=commit_interval,
+        )
         self._meta: dict[str, Any] | None = None
         # A read transaction kept open between hits (see _reader) and when it goes stale.
         self._rtxn: lmdb.Transaction | None = None
@@ -134,7 +134,7 @@ class Store:
 
     def __repr__(self) -> str:
         state = "open" if self._env is not None else "closed"
-        return f"<Store {self.path!r} {state}, {len(self._pending)} pending>"
+        return f"<Store {self.path!r} {state}, {len(self._queue.pending)} queued>"
 
     # ------------------------------------------------------------------ opening
 
@@ -156,9 +156,8 @@ class Store:
         """
         with self._lock:
             if overwrite:
-                self._pending, self._pending_bytes = {}, 0  # samples of the build being replaced
-            elif self._env is not None:
-                self._flush_locked()
+                self._queue.forget()  # samples of the build being replaced
+            self._queue.drain()
             self._close_env()  # another dataset in this process may have it open: start clean
             try:
                 meta = self._initialize(length, fingerprint, overwrite, create)
@@ -487,7 +486,7 @@ class Store:
             for index in indices:
                 raw = txn.get(_KEY(index), db=self._samples)
                 if raw is None:
-                    raw = self._pending.get(index)
+                    raw = self._queue.lookup(index)
                 out.append(MISSING if raw is None else self._decode(raw, index))
         return out
 
@@ -567,78 +566,53 @@ class Store:
     # ------------------------------------------------------------------ writing
 
     def add(self, index: int, value: bytes) -> None:
-        """Queue one encoded sample; commit the queue when it is due."""
+        """Queue one encoded sample; the committer thread writes it (see ``_commit``)."""
         with self._lock:
-            self._raise_deferred()
             if self.readonly or (self._env is None and not _writable(self.path)):
                 raise ReadOnlyCacheError(
                     f"Cache '{self.path}' is read-only (read-only directory or mount) and index {index} is not "
                     "cached. Open the cache without a dataset, or copy it to a writable location to fill it."
                 )
-            if index in self._pending:
-                return
-            if not self._pending:
-                self._pending_since = time.monotonic()
-            self._pending[index] = value
-            self._pending_bytes += len(value)
-            if (
-                len(self._pending) >= self.commit_every
-                or self._pending_bytes >= self.commit_bytes
-                or time.monotonic() - self._pending_since >= self.commit_interval
-            ):
-                self._flush_locked()
-            elif self._timer is None:
-                # An idle process (a persistent worker between epochs) still commits in time.
-                self._timer = threading.Timer(self.commit_interval, self._timed_flush)
-                self._timer.daemon = True
-                self._timer.start()
-
-    def _timed_flush(self) -> None:
-        with self._lock:
-            if self._timer is not threading.current_thread() or self.pid != _pid:
-                return
-            self._timer = None
-            try:
-                self._flush_locked()
-            except BaseException as exc:
-                self._deferred = exc
-
-    def _raise_deferred(self) -> None:
-        exc, self._deferred = self._deferred, None
-        if exc is not None:
-            raise exc
+            self._queue.add(index, value)
 
     def flush(self) -> int:
-        """Commit this process's queued samples now; return how many were queued."""
+        """Commit this process's queued samples and wait for them; return how many were queued."""
         with self._lock:
-            self._raise_deferred()
-            return self._flush_locked()
+            return self._queue.drain()
 
-    def _flush_locked(self) -> int:
-        timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.cancel()
-        if not self._pending:
-            return 0
-        items = sorted(self._pending.items())  # key order: appends to the B-tree
-        self._pending, self._pending_bytes = {}, 0
-        self._put_locked([(_KEY(i), v) for i, v in items])
-        return len(items)
+    @property
+    def written(self) -> int:
+        """Samples this process's commits have written (indices already present are not counted)."""
+        return self._queue.written
 
     def put_many(self, items: Iterable[tuple[int, bytes]]) -> int:
         """Write (index, value) pairs now, in one transaction, skipping indices already present.
 
-        Grows the map as needed; every record is re-put after a growth, never just the
-        last one. Returns the number of records actually written.
+        Returns the number of records actually written.
         """
+        batch = sorted(items)
         with self._lock:
-            return self._put_locked([(_KEY(i), v) for i, v in items])
+            self._queue.begin_direct(batch)
+        try:
+            return self._write_batch(batch)
+        finally:
+            with self._lock:
+                self._queue.end_direct()
 
-    def _put_locked(self, items: list[tuple[bytes, bytes]]) -> int:
-        env = self._env or self._env_or_open()
+    def _write_batch(self, batch: list[tuple[int, bytes]]) -> int:
+        """One write transaction for ``batch``; called without the lock (it takes it to grow the map).
+
+        Grows the map as needed; every record is re-put after a growth, never just the
+        last one.
+        """
+        if not batch:
+            return 0
+        items = [(_KEY(i), v) for i, v in batch]
         need = sum(len(k) + len(v) for k, v in items)
         with self._write_lock():
-            self._reserve(env, need)
+            with self._lock:
+                env = self._env or self._env_or_open()
+                self._reserve(env, need)
             for _ in range(64):
                 try:
                     written = 0
@@ -649,9 +623,12 @@ class Store:
                             written += put(key, value, db=db, overwrite=False)
                     return written
                 except lmdb.MapFullError:
-                    self._grow(env, need)
+                    with self._lock:
+                        self._grow(env, need)
                 except lmdb.MapResizedError:
-                    env.set_mapsize(0)
+                    with self._lock:
+                        self._drop_reader()
+                        env.set_mapsize(0)
                 except lmdb.Error as exc:
                     raise _write_failure(
                         exc,
@@ -687,10 +664,10 @@ class Store:
     # ------------------------------------------------------------------ closing
 
     def close(self) -> None:
-        """Commit the queue and close the environment (it reopens on next use)."""
+        """Commit the queue, end the committer thread and close the environment (it reopens on next use)."""
         with self._lock:
             try:
-                self._flush_locked()
+                self._queue.stop()
             finally:
                 self._close_env()
 
@@ -759,9 +736,9 @@ def _before_fork() -> None:
     for store in _stores.values():
         store._lock.acquire()
         try:
-            store._flush_locked()
+            store._queue.stop()  # no committer thread alive across the fork (it restarts on demand)
         except Exception:
-            pass
+            pass  # the error resurfaces on this process's next commit
         store._close_env()
 
 
@@ -777,7 +754,7 @@ def _after_fork_child() -> None:
     # The child opens its own stores. The parent's objects stay reachable from datasets,
     # which see the pid change and re-acquire; unlock them so nothing can hang on them.
     for store in _stores.values():
-        store._pending, store._pending_bytes = {}, 0
+        store._queue.forget()  # the parent's; its committer thread does not exist here
         store._lock.release()
     _stores.clear()
     _registry_lock.release()
