@@ -38,8 +38,13 @@ lint: install
 	$(PY) -m ruff format --check lmdbcache tests scripts bench
 	$(PY) -m mypy lmdbcache
 
+# Peers are installed so they cannot replace the CPU torch (none of them requires torch;
+# kappadata's dependencies would pull torchvision, timm and a CUDA torch, hence --no-deps).
+# A peer that cannot be installed is skipped, with a note in the results.
 bench: install
 	$(PY) -m pip install --quiet -e ".[bench]"
+	-$(PY) -m pip install --quiet diskcache datasets
+	-$(PY) -m pip install --quiet --no-deps kappadata
 	$(PY) -m bench.run
 
 clean:

@@ -1,7 +1,16 @@
-"""Deterministic benchmark datasets, generated on the spot (nothing is downloaded)."""
+"""The benchmark's workloads, generated on the spot from fixed seeds (nothing is downloaded).
+
+- ``jpeg``: JPEG files (~500x375, quality 90) decoded with Pillow, resized to 256 on the short
+  side, center-cropped to 224: ``(uint8 tensor 3x224x224, int label)``. The ImageNet-like case.
+- ``small``: ``(uint8 tensor 3x32x32, int label)`` from an in-memory array, as torchvision's
+  CIFAR datasets hold it. Per-sample overhead dominates.
+- ``dict``: ``{"features": float32 tensor 1x80x3000, "tokens": [int64 tensors of varied
+  length], "text": str}``, generated per index: a generic nested sample.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -12,9 +21,20 @@ from torch.utils.data import Dataset
 # The JPEG workload is the demo's (the bundled example).
 from scripts.example_data import JpegFolder, make_jpeg_folder
 
+__all__ = [
+    "ArrayDataset",
+    "DictDataset",
+    "JpegFolder",
+    "MemmapDataset",
+    "Workload",
+    "make_jpeg_folder",
+    "tensor_data",
+    "write_npy",
+]
+
 
 class ArrayDataset(Dataset):
-    """Samples ``(uint8 tensor, int label)`` copied from one in-memory array: the source for tensor workloads."""
+    """Samples ``(uint8 tensor, int label)`` copied from one in-memory array."""
 
     def __init__(self, data: np.ndarray) -> None:
         self.data = data
@@ -28,6 +48,25 @@ class ArrayDataset(Dataset):
 
 def tensor_data(n: int, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size=(n, *shape), dtype=np.uint8)
+
+
+class DictDataset(Dataset):
+    """Nested samples generated from the index (the "decode" is the generation)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(i)
+        lengths = torch.randint(5, 60, (int(torch.randint(1, 5, (), generator=g)),), generator=g).tolist()
+        return {
+            "features": torch.randn((1, 80, 3000), generator=g),
+            "tokens": [torch.randint(0, 50_000, (k,), generator=g) for k in lengths],
+            "text": f"utterance {i}: " + "x" * int(lengths[0]),
+        }
 
 
 class MemmapDataset(Dataset):
@@ -60,4 +99,35 @@ def write_npy(dataset: Dataset, path: Path) -> None:
     del out
 
 
-__all__ = ["ArrayDataset", "JpegFolder", "MemmapDataset", "make_jpeg_folder", "tensor_data", "write_npy"]
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A named workload of ``n`` samples whose generated inputs live under ``data``."""
+
+    name: str
+    n: int
+    data: Path
+
+    @property
+    def fixed_shape(self) -> bool:
+        return self.name in ("jpeg", "small")
+
+    def source(self) -> Dataset:
+        if self.name == "jpeg":
+            return JpegFolder(make_jpeg_folder(self.data / f"jpeg-{self.n}", self.n))
+        if self.name == "small":
+            return ArrayDataset(tensor_data(self.n, (3, 32, 32)))
+        if self.name == "dict":
+            return DictDataset(self.n)
+        raise ValueError(f"unknown workload {self.name!r}")
+
+    def payload_bytes(self, source: Dataset) -> int:
+        """Bytes of decoded data (tensors, token ids and text) in the whole dataset."""
+        if self.name == "jpeg":
+            return self.n * 3 * 224 * 224
+        if self.name == "small":
+            return self.n * 3 * 32 * 32
+        total = 0
+        for i in range(self.n):
+            s = source[i]
+            total += s["features"].nbytes + sum(t.nbytes for t in s["tokens"]) + len(s["text"].encode())
+        return total
