@@ -6,3 +6,5 @@ __version__ = "0.1.0"
 # stored bytes change (record layout, keys, metadata), and keep tests/data/golden-v*
 # readable.
 FORMAT_VERSION = 1
+# The oldest format this library still reads (tests/data/golden-v* back to this one).
+OLDEST_READABLE_FORMAT = 1

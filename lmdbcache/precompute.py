@@ -153,11 +153,7 @@ def precompute(
             fingerprint=fingerprint if fingerprint is not None else default_fingerprint(dataset),
             overwrite=overwrite,
         )
-        done = bytearray(length)
-        for index in store.iter_keys():
-            if index < length:
-                done[index] = 1
-        todo = [i for i in todo_range if not done[i]]
+        todo = _not_cached(store, todo_range, length)
         skipped = len(todo_range) - len(todo)
         written, interrupted = 0, False
         if todo and check_determinism > 0:
@@ -173,6 +169,18 @@ def precompute(
         _store.release(store)
     size = os.path.getsize(os.path.join(path, _store.DATA_FILE))
     return PrecomputeResult(path, written, skipped, time.perf_counter() - start, cached, length, size, interrupted)
+
+
+def _not_cached(store: _store.Store, indices: range, length: int) -> list[int]:
+    """The indices of ``indices`` the cache does not hold (a byte per index, or a set for huge datasets)."""
+    done: bytearray | set[int] = bytearray(length) if length <= 1 << 28 else set()
+    for index in store.iter_keys():
+        if index < length:
+            if isinstance(done, set):
+                done.add(index)
+            else:
+                done[index] = 1
+    return [i for i in indices if not (i in done if isinstance(done, set) else done[i])]
 
 
 def _check_determinism(dataset: Any, todo: list[int], count: int, allow: bool, store: _store.Store) -> int:

@@ -48,7 +48,7 @@ import msgpack
 
 from . import codec
 from ._commit import CommitQueue
-from ._version import FORMAT_VERSION, __version__
+from ._version import FORMAT_VERSION, OLDEST_READABLE_FORMAT, __version__
 from .errors import (
     CacheFullError,
     CacheMismatchError,
@@ -74,6 +74,13 @@ _UNKEY = struct.Struct(">Q").unpack
 _MIN_DATA_FILE = 2 * 4096  # LMDB writes two meta pages before anything else
 _MIB = 1 << 20
 _READER_MAX_AGE = 0.25  # seconds a kept read transaction may pin its snapshot
+# Every live process clears dead processes' reader slots this often (when it renews a read
+# transaction or commits), so a process that cannot even open the cache because the table
+# is full of them gets in on one of its retries.
+_READER_CHECK_INTERVAL = 5.0
+_OPEN_RETRIES = 30  # x 0.2 s
+# Per-index "verified" flags cost a byte per index; beyond this length every read is verified.
+_VERIFIED_MAX = 1 << 24
 
 # Filesystems where LMDB's locking (fcntl locks + a shared-memory lock file) is unsafe.
 _NETWORK_FS = {
@@ -131,6 +138,8 @@ class Store:
         # Byte i set: this process has verified index i's checksums (checksum="once"). A byte
         # rather than a bit per index: N bytes per process is small, and the test is cheaper.
         self._verified: bytearray | None = None
+        self._locked = True  # False on a read-only mount opened without LMDB's lock table
+        self._last_reader_check = 0.0
 
     def __repr__(self) -> str:
         state = "open" if self._env is not None else "closed"
@@ -275,14 +284,25 @@ class Store:
             create=not readonly,
         )
         try:
-            try:
-                env = lmdb.open(path, readonly=readonly, **options)
-            except lmdb.Error as exc:
-                if not readonly or ("ermission" not in str(exc) and "Read-only" not in str(exc)):
-                    raise
-                # A read-only mount where lock.mdb cannot be opened for writing: no writer can
-                # exist there, so running without LMDB's lock table is safe.
-                env = lmdb.open(path, readonly=True, lock=False, **options)
+            for attempt in range(_OPEN_RETRIES + 1):
+                try:
+                    env = lmdb.open(path, readonly=readonly, **options)
+                    self._locked = True
+                    break
+                except lmdb.ReadersFullError:
+                    # py-lmdb opens with a read transaction, so a table full of dead processes'
+                    # slots keeps us out until a live process clears them (_maybe_reader_check).
+                    if attempt == _OPEN_RETRIES:
+                        raise
+                    time.sleep(0.2)
+                except lmdb.Error as exc:
+                    if not readonly or ("ermission" not in str(exc) and "Read-only" not in str(exc)):
+                        raise
+                    # A read-only mount where lock.mdb cannot be opened for writing: no writer can
+                    # exist there, so running without LMDB's lock table is safe.
+                    env = lmdb.open(path, readonly=True, lock=False, **options)
+                    self._locked = False
+                    break
         except lmdb.InvalidError as exc:
             raise CorruptCacheError(
                 f"'{path}/{DATA_FILE}' is not an LMDB file ({exc}). Delete the directory, or pass overwrite=True "
@@ -314,6 +334,7 @@ class Store:
                 ) from exc
             if not readonly:
                 env.reader_check()  # reclaim the reader slots of processes that died
+                self._last_reader_check = time.monotonic()
         except BaseException:
             env.close()
             raise
@@ -343,8 +364,10 @@ class Store:
 
     def _adopt(self, meta: dict[str, Any]) -> None:
         self._meta, self._cache_id = meta, meta["cache_id"]
-        if self.checksum == "once" and (self._verified is None or len(self._verified) < meta["length"]):
-            self._verified = bytearray(meta["length"])
+        length = meta["length"]
+        verified = self._verified
+        if self.checksum == "once" and length <= _VERIFIED_MAX and (verified is None or len(verified) < length):
+            self._verified = bytearray(length)
 
     def _read_meta(self, env: lmdb.Environment) -> dict[str, Any] | None:
         with self._begin(env) as txn:
@@ -381,6 +404,11 @@ class Store:
     def _check_meta(self, meta: dict[str, Any], length: int | None, fingerprint: str | None) -> dict[str, Any]:
         fix = f"Delete '{self.path}', use another path, or pass overwrite=True to rebuild it."
         stored = meta.get("format_version")
+        if isinstance(stored, int) and stored < OLDEST_READABLE_FORMAT:
+            raise CacheMismatchError(
+                f"Cache '{self.path}' was written in format {stored}, older than this lmdbcache {__version__} reads "
+                f"(formats {OLDEST_READABLE_FORMAT} to {FORMAT_VERSION}). {fix}"
+            )
         if not isinstance(stored, int) or stored > FORMAT_VERSION:
             raise CacheMismatchError(
                 f"Cache '{self.path}' was written in format {stored} by lmdbcache {meta.get('library_version')}; "
@@ -402,6 +430,10 @@ class Store:
     # ------------------------------------------------------------------ reading
 
     def _begin(self, env: lmdb.Environment, write: bool = False, db: Any = None) -> lmdb.Transaction:
+        if not write:
+            # One reader slot per process: the kept transaction and this one would take two
+            # (the aborted one stays in py-lmdb's spare-transaction cache with its slot).
+            self._drop_reader()
         try:
             return env.begin(db=db, write=write, buffers=True)
         except lmdb.MapResizedError:
@@ -427,9 +459,18 @@ class Store:
             if time.monotonic() < self._rtxn_expires:
                 return txn
             self._drop_reader()
-        txn = self._begin(self._env or self._env_or_open(), db=self._samples)
+        env = self._env or self._env_or_open()
+        self._maybe_reader_check(env)
+        txn = self._begin(env, db=self._samples)
         self._rtxn, self._rtxn_expires = txn, time.monotonic() + _READER_MAX_AGE
         return txn
+
+    def _maybe_reader_check(self, env: lmdb.Environment) -> None:
+        """Clear dead processes' reader slots, at most every _READER_CHECK_INTERVAL seconds."""
+        now = time.monotonic()
+        if self._locked and now - self._last_reader_check >= _READER_CHECK_INTERVAL:
+            self._last_reader_check = now
+            env.reader_check()
 
     def _drop_reader(self) -> None:
         txn, self._rtxn = self._rtxn, None
@@ -438,9 +479,10 @@ class Store:
 
     def _readers_full(self) -> ReadersFullError:
         return ReadersFullError(
-            f"Cache '{self.path}': all LMDB reader slots are in use by live processes (each process using the "
-            "cache holds one). Close some, or once no process uses the cache, open it with a larger max_readers "
-            "(the first process to open a cache sizes its reader table)."
+            f"Cache '{self.path}': all LMDB reader slots are taken (each process using the cache holds one; "
+            "slots left by dead processes are cleared within seconds by any process still using it). Close some "
+            "processes, or once none uses the cache, open it with a larger max_readers (the first process to "
+            "open a cache sizes its reader table)."
         )
 
     def get(self, index: int) -> Any:
@@ -612,6 +654,7 @@ class Store:
         with self._write_lock():
             with self._lock:
                 env = self._env or self._env_or_open()
+                self._maybe_reader_check(env)
                 self._reserve(env, need)
             for _ in range(64):
                 try:

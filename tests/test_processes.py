@@ -230,8 +230,9 @@ def test_dead_readers_are_reclaimed_on_open(cache_dir):
     ds.close()
 
 
-def test_exhausted_reader_table_is_a_clear_error(cache_dir):
-    """When live processes hold every reader slot, reads raise ReadersFullError saying how to fix it."""
+def test_exhausted_reader_table_is_a_clear_error(cache_dir, monkeypatch):
+    """When live processes hold every reader slot, opening raises ReadersFullError saying how to fix it."""
+    monkeypatch.setattr(_store, "_OPEN_RETRIES", 2)  # it waits ~6 s for dead slots to be cleared otherwise
     CachedDataset(Synthetic(5), cache_dir, max_readers=2).close()
     _store._stores.clear()
     with run_script(HOLD_READER, str(cache_dir), "2", "60", wait=False) as a:
