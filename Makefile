@@ -24,11 +24,12 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# tests/stress runs here in its short form; `make stress` runs it long (minutes).
 test: install
-	$(PY) -m pytest -m "not stress" -q
+	$(PY) -m pytest -q
 
 stress: install
-	LMDBCACHE_STRESS=1 $(PY) -m pytest -m "stress or not stress" -q -p no:randomly
+	LMDBCACHE_STRESS=1 $(PY) -m pytest tests/stress -q -s
 
 demo: install
 	$(PY) scripts/demo.py

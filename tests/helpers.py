@@ -143,3 +143,48 @@ TESTS_CONSTANT = 3
 def not_a_dataset() -> int:
     """A SPEC callable that returns something that is not a dataset."""
     return 42
+
+
+class Huge(Dataset):
+    """Virtual datasets: any length (beyond 2**32), samples made from the index, optionally large."""
+
+    def __init__(self, n: int = 2**33, nbytes: int = 16) -> None:
+        self.n, self.nbytes = n, nbytes
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return torch.full((self.nbytes,), i % 251, dtype=torch.uint8), i
+
+
+def report_written(path: str, directory: str) -> None:
+    """At this process's exit, record how many samples its commits wrote to ``path`` (a DataLoader worker_init_fn)."""
+    import multiprocessing.util
+
+    from lmdbcache import store as _store
+
+    def write() -> None:
+        store = _store._stores.get(os.path.realpath(path))
+        if store is not None:
+            with open(os.path.join(directory, f"{os.getpid()}.written"), "w") as f:
+                f.write(str(store.written))
+
+    # Priority 0 runs after lmdbcache's own exit commit (priority 100).
+    multiprocessing.util.Finalize(None, write, exitpriority=0)
+
+
+def report_written_init(path: str, directory: str, worker_id: int) -> None:
+    """``worker_init_fn=functools.partial(report_written_init, path, directory)``."""
+    report_written(path, directory)
+
+
+def total_written(directory: str) -> int:
+    total = 0
+    for name in os.listdir(directory):
+        if name.endswith(".written"):
+            with open(os.path.join(directory, name)) as f:
+                total += int(f.read())
+    return total
