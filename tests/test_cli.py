@@ -36,6 +36,18 @@ def cli(*args: str, check: int | None = 0, wait: bool = True, env: dict | None =
     return result
 
 
+def run_main(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``lmdbcache ARGS`` in this process (no interpreter start-up): for help and user-error paths."""
+    from lmdbcache.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as exc:  # argparse: --help, bad arguments
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
 def one_line_error(result) -> str:
     """A user error: non-zero exit, one line on stderr, no traceback."""
     assert result.returncode != 0
@@ -86,9 +98,10 @@ def test_spec_from_a_file_and_the_scripts_wrapper(cache_dir):
 
 
 @pytest.mark.parametrize("command", ["precompute", "info", "verify", "warm", "copy", "merge"])
-def test_every_subcommand_has_help_with_an_example(command):
+def test_every_subcommand_has_help_with_an_example(command, capsys):
     """`lmdbcache CMD --help` exits 0 and shows an example."""
-    result = cli(command, "--help")
+    result = run_main(capsys, command, "--help")
+    assert result.returncode == 0
     assert "examples:" in result.stdout and f"lmdbcache {command}" in result.stdout
 
 
@@ -105,22 +118,30 @@ def test_every_subcommand_has_help_with_an_example(command):
         ("/nonexistent/file.py:make", [], "does not exist"),
     ],
 )
-def test_bad_specs_are_one_line_errors(cache_dir, spec, args, message):
+def test_bad_specs_are_one_line_errors(cache_dir, spec, args, message, capsys):
     """A SPEC that does not import, is not callable or returns no dataset exits 1 with one line, no traceback."""
-    result = cli("precompute", spec, str(cache_dir), *args, check=1)
+    result = run_main(capsys, "precompute", spec, str(cache_dir), *args)
+    assert result.returncode == 1
     assert message in one_line_error(result)
     assert not (cache_dir / "data.mdb").exists()
 
 
-def test_bad_arguments_exit_2(cache_dir):
+def test_a_bad_spec_from_the_real_command(cache_dir):
+    """The installed command (a fresh interpreter) reports a bad SPEC the same way: one line, exit 1."""
+    assert "Cannot import 'no_such_module_xyz'" in one_line_error(
+        cli("precompute", "no_such_module_xyz:make", str(cache_dir), check=1)
+    )
+
+
+def test_bad_arguments_exit_2(cache_dir, capsys):
     """Malformed options are argparse errors (exit 2) with the reason."""
-    result = cli("precompute", SPEC, str(cache_dir), "--shard", "3/3", check=2)
-    assert "0 <= I < N" in result.stderr
-    cli("precompute", SPEC, str(cache_dir), "--shard", "1-3", check=2)
-    cli("frobnicate", check=2)
+    result = run_main(capsys, "precompute", SPEC, str(cache_dir), "--shard", "3/3")
+    assert result.returncode == 2 and "0 <= I < N" in result.stderr
+    assert run_main(capsys, "precompute", SPEC, str(cache_dir), "--shard", "1-3").returncode == 2
+    assert run_main(capsys, "frobnicate").returncode == 2
 
 
-def test_user_errors_on_caches_are_one_line(tmp_path):
+def test_user_errors_on_caches_are_one_line(tmp_path, capsys):
     """info/verify/warm/copy on a path that holds no cache exit 1 with one line, creating nothing."""
     missing = tmp_path / "missing"
     for args in (
@@ -129,7 +150,8 @@ def test_user_errors_on_caches_are_one_line(tmp_path):
         ["warm", str(missing)],
         ["copy", str(missing), str(tmp_path / "x")],
     ):
-        assert "no cache" in one_line_error(cli(*args, check=1))
+        result = run_main(capsys, *args)
+        assert result.returncode == 1 and "no cache" in one_line_error(result)
     assert not missing.exists() and not (tmp_path / "x").exists()
 
 
@@ -238,10 +260,13 @@ def test_determinism_guard(cache_dir):
 
 
 def _flip_in_file(path: Path, marker: bytes) -> None:
+    """Flip one bit in the middle of every copy of ``marker`` in the file (LMDB may keep a stale copy of a page)."""
     data = bytearray(path.read_bytes())
     at = data.find(marker)
     assert at >= 0
-    data[at + len(marker) // 2] ^= 0x01
+    while at >= 0:
+        data[at + len(marker) // 2] ^= 0x01
+        at = data.find(marker, at + 1)
     path.write_bytes(bytes(data))
 
 
