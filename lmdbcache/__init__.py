@@ -10,6 +10,7 @@ from .errors import (
     CorruptCacheError,
     CorruptSampleError,
     LmdbCacheError,
+    LmdbCacheWarning,
     NotACacheError,
     ReadersFullError,
     ReadOnlyCacheError,
@@ -17,7 +18,6 @@ from .errors import (
     UnsupportedSampleError,
 )
 from .precompute import NondeterministicDatasetError, PrecomputeResult, SourceItemError, precompute
-from .store import LmdbCacheWarning
 
 __all__ = [
     "FORMAT_VERSION",

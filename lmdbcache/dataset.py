@@ -9,7 +9,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from . import store as _store
+from . import _registry
 from .codec import decode, encode
 from .errors import SampleNotCachedError
 from .store import MISSING, Store
@@ -85,13 +85,13 @@ class CachedDataset(Dataset):
         length = None if dataset is None else len(dataset)
         if dataset is not None and fingerprint is None:
             fingerprint = default_fingerprint(dataset)
-        store = _store.acquire(self.path, **self._options)
+        store = _registry.acquire(self.path, **self._options)
         try:
             meta = store.initialize(
                 length=length, fingerprint=fingerprint, overwrite=overwrite, create=dataset is not None
             )
         except BaseException:
-            _store.release(store)
+            _registry.release(store)
             raise
         self._store: Store | None = store
         self._length: int = meta["length"]
@@ -117,7 +117,7 @@ class CachedDataset(Dataset):
         if not (type(index) is int and 0 <= index < self._length):
             index = self._index(index)
         store = self._store
-        if store is None or store.pid != _store._pid:
+        if store is None or store.pid != _registry._pid:
             store = self._attach()
         sample = store.get(index)
         if sample is MISSING:
@@ -130,7 +130,7 @@ class CachedDataset(Dataset):
         n = self._length
         indices = [i if type(i) is int and 0 <= i < n else self._index(i) for i in indices]
         store = self._store
-        if store is None or store.pid != _store._pid:
+        if store is None or store.pid != _registry._pid:
             store = self._attach()
         samples = store.get_many(indices)
         misses = [k for k, sample in enumerate(samples) if sample is MISSING]
@@ -155,7 +155,7 @@ class CachedDataset(Dataset):
 
     def _attach(self) -> Store:
         """This process's store: first use after unpickling (spawn), after a fork, or after close()."""
-        store = _store.acquire(self.path, **self._options)
+        store = _registry.acquire(self.path, **self._options)
         if store._cache_id is None:
             store._cache_id = self._cache_id  # so opening checks the cache is still the one we validated
         self._store = store
@@ -212,8 +212,8 @@ class CachedDataset(Dataset):
     def close(self) -> None:
         """Commit queued misses and release this process's handle (it reopens if used again)."""
         store, self._store = self._store, None
-        if store is not None and store.pid == _store._pid:
-            _store.release(store)
+        if store is not None and store.pid == _registry._pid:
+            _registry.release(store)
 
     def __enter__(self) -> CachedDataset:
         return self
@@ -223,7 +223,7 @@ class CachedDataset(Dataset):
 
     def _live_store(self) -> Store:
         store = self._store
-        if store is None or store.pid != _store._pid:
+        if store is None or store.pid != _registry._pid:
             store = self._attach()
         return store
 
@@ -231,7 +231,7 @@ class CachedDataset(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         store = self._store
-        if store is not None and store.pid == _store._pid:
+        if store is not None and store.pid == _registry._pid:
             store.flush()  # pickled for spawn workers: let them see what this process decoded
         state = self.__dict__.copy()
         state["_store"] = None  # configuration only: each process opens its own environment

@@ -15,6 +15,9 @@ Each one also subclasses the builtin a caller would already catch::
     ├── CacheFullError(OSError)             the disk (not the map: that grows) is full
     └── ReadersFullError(RuntimeError)      LMDB's reader table is exhausted
 
+``LmdbCacheWarning(UserWarning)`` is for situations that work but deserve attention
+(a cache on a network filesystem).
+
 ``SampleNotCachedError`` is a ``LookupError`` but deliberately not an ``IndexError``:
 ``for x in ds`` stops at the first ``IndexError``, so a miss must never look like one.
 """
@@ -27,6 +30,7 @@ __all__ = [
     "CorruptCacheError",
     "CorruptSampleError",
     "LmdbCacheError",
+    "LmdbCacheWarning",
     "NotACacheError",
     "ReadOnlyCacheError",
     "ReadersFullError",
@@ -73,3 +77,7 @@ class CacheFullError(LmdbCacheError, OSError):
 
 class ReadersFullError(LmdbCacheError, RuntimeError):
     """LMDB's table of concurrent readers is full, even after clearing dead processes."""
+
+
+class LmdbCacheWarning(UserWarning):
+    """A situation that works but that the user should know about (e.g. a network filesystem)."""

@@ -17,6 +17,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
+from . import _registry
 from . import store as _store
 from .codec import encode
 from .dataset import default_fingerprint
@@ -144,7 +145,7 @@ def precompute(
     if num_workers is None:
         num_workers = max(1, (os.cpu_count() or 1) // (local[1] if local else 1))
     # commit_interval: a commit per ~second of work is plenty; big batches make few syncs.
-    store = _store.acquire(
+    store = _registry.acquire(
         path, map_size=map_size, commit_every=commit_every, commit_bytes=commit_bytes, commit_interval=10.0
     )
     try:
@@ -166,7 +167,7 @@ def precompute(
             interrupted = True
         cached = store.count()
     finally:
-        _store.release(store)
+        _registry.release(store)
     size = os.path.getsize(os.path.join(path, _store.DATA_FILE))
     return PrecomputeResult(path, written, skipped, time.perf_counter() - start, cached, length, size, interrupted)
 

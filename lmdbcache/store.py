@@ -30,7 +30,6 @@ A process that finds the map grown by another (``MapResizedError``) adopts the n
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import os
 import shutil
@@ -38,7 +37,6 @@ import struct
 import threading
 import time
 import uuid
-import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -46,7 +44,7 @@ import filelock
 import lmdb
 import msgpack
 
-from . import codec
+from . import _fs, codec
 from ._commit import CommitQueue
 from ._version import FORMAT_VERSION, OLDEST_READABLE_FORMAT, __version__
 from .errors import (
@@ -60,7 +58,7 @@ from .errors import (
     ReadOnlyCacheError,
 )
 
-__all__ = ["MISSING", "LmdbCacheWarning", "Store", "acquire", "filesystem_type"]
+__all__ = ["DATA_FILE", "MISSING", "Store"]
 
 MISSING: Any = type("Missing", (), {"__repr__": lambda self: "MISSING"})()
 
@@ -81,16 +79,6 @@ _READER_CHECK_INTERVAL = 5.0
 _OPEN_RETRIES = 30  # x 0.2 s
 # Per-index "verified" flags cost a byte per index; beyond this length every read is verified.
 _VERIFIED_MAX = 1 << 24
-
-# Filesystems where LMDB's locking (fcntl locks + a shared-memory lock file) is unsafe.
-_NETWORK_FS = {
-    "nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "afs", "ceph", "glusterfs", "lustre", "gpfs",
-    "beegfs", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.rclone", "fuse.juicefs", "fuse.glusterfs",
-}  # fmt: skip
-
-
-class LmdbCacheWarning(UserWarning):
-    """A situation that works but that the user should know about (e.g. a network filesystem)."""
 
 
 class Store:
@@ -115,7 +103,7 @@ class Store:
         self.checksum = checksum
         self.map_size = int(map_size)
         self.max_readers = int(max_readers)
-        self.pid = _pid
+        self.pid = 0  # the process this store belongs to (set by _registry.acquire)
         self.readonly = False
         self.refs = 0
         self._lock = threading.Lock()
@@ -192,8 +180,8 @@ class Store:
                 raise ReadOnlyCacheError(
                     f"Cannot create the cache directory '{path}': {exc.strerror}. Choose a writable location."
                 ) from exc
-        _warn_if_network_fs(path)
-        if not _writable(path):
+        _fs.warn_if_network_fs(path)
+        if not _fs.writable(path):
             if overwrite:
                 raise ReadOnlyCacheError(
                     f"Cannot rebuild the cache at '{path}' (overwrite=True): the directory is read-only."
@@ -340,7 +328,6 @@ class Store:
             raise
         self._env = env
         self.readonly = readonly
-        _register_exit_flush()
         return env
 
     def _env_or_open(self) -> lmdb.Environment:
@@ -348,7 +335,7 @@ class Store:
         env = self._env
         if env is not None:
             return env
-        readonly = not _writable(self.path)
+        readonly = not _fs.writable(self.path)
         if not readonly:
             self._check_data_file(overwrite=False)
         env = self._open_env(readonly=readonly)
@@ -610,7 +597,7 @@ class Store:
     def add(self, index: int, value: bytes) -> None:
         """Queue one encoded sample; the committer thread writes it (see ``_commit``)."""
         with self._lock:
-            if self.readonly or (self._env is None and not _writable(self.path)):
+            if self.readonly or (self._env is None and not _fs.writable(self.path)):
                 raise ReadOnlyCacheError(
                     f"Cache '{self.path}' is read-only (read-only directory or mount) and index {index} is not "
                     "cached. Open the cache without a dataset, or copy it to a writable location to fill it."
@@ -714,6 +701,20 @@ class Store:
             finally:
                 self._close_env()
 
+    def before_fork(self) -> None:
+        """Commit, stop the committer thread and close the environment; the lock stays held across the fork."""
+        self._lock.acquire()
+        try:
+            self._queue.stop()
+        except Exception:
+            pass  # the samples stay queued in the parent; the error resurfaces on its next commit
+        self._close_env()
+
+    def after_fork(self, in_child: bool) -> None:
+        if in_child:
+            self._queue.forget()  # the parent's samples; its committer thread does not exist here
+        self._lock.release()
+
     def _close_env(self) -> None:
         self._drop_reader()
         env, self._env = self._env, None
@@ -733,109 +734,7 @@ class Store:
                 return sum(txn.delete(_KEY(k), db=self._samples) for k in keys)
 
 
-# ---------------------------------------------------------------------- the per-process registry
-
-_pid = os.getpid()
-_stores: dict[str, Store] = {}
-_registry_lock = threading.Lock()
-_exit_flush_pid = 0
-
-
-def acquire(path: str, **options: Any) -> Store:
-    """This process's Store for ``path`` (one per directory per process), with one more reference."""
-    if options.get("checksum", "once") not in ("once", "always"):
-        raise ValueError(f"checksum must be 'once' or 'always', not {options['checksum']!r}")
-    key = os.path.realpath(path)
-    with _registry_lock:
-        store = _stores.get(key)
-        if store is None:
-            store = _stores[key] = Store(os.path.abspath(path), **options)
-        store.refs += 1
-        return store
-
-
-def release(store: Store) -> None:
-    """Drop one reference; the last one commits and closes the environment."""
-    with _registry_lock:
-        if store.pid != _pid:
-            return  # inherited across fork: the parent owns it
-        store.refs -= 1
-        if store.refs > 0:
-            return
-        for key, value in list(_stores.items()):
-            if value is store:
-                del _stores[key]
-    store.close()
-
-
-def current_pid() -> int:
-    return _pid
-
-
-def _before_fork() -> None:
-    # Commit and close every environment so the child inherits none (see module docstring).
-    # The locks stay held across the fork so no thread reopens one in between.
-    _registry_lock.acquire()
-    for store in _stores.values():
-        store._lock.acquire()
-        try:
-            store._queue.stop()  # no committer thread alive across the fork (it restarts on demand)
-        except Exception:
-            pass  # the error resurfaces on this process's next commit
-        store._close_env()
-
-
-def _after_fork_parent() -> None:
-    for store in _stores.values():
-        store._lock.release()
-    _registry_lock.release()
-
-
-def _after_fork_child() -> None:
-    global _pid
-    _pid = os.getpid()
-    # The child opens its own stores. The parent's objects stay reachable from datasets,
-    # which see the pid change and re-acquire; unlock them so nothing can hang on them.
-    for store in _stores.values():
-        store._queue.forget()  # the parent's; its committer thread does not exist here
-        store._lock.release()
-    _stores.clear()
-    _registry_lock.release()
-
-
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent, after_in_child=_after_fork_child)
-
-
-def _flush_all_at_exit() -> None:
-    for store in list(_stores.values()):
-        if store.pid == _pid:
-            try:
-                store.close()
-            except Exception as exc:
-                warnings.warn(
-                    f"lmdbcache: could not commit queued samples at exit: {exc}", LmdbCacheWarning, stacklevel=1
-                )
-
-
-def _register_exit_flush() -> None:
-    """Commit queued samples at exit: atexit in a main process, multiprocessing finalizers in workers."""
-    global _exit_flush_pid
-    if _exit_flush_pid == _pid:
-        return
-    _exit_flush_pid = _pid
-    atexit.register(_flush_all_at_exit)
-    import multiprocessing.util
-
-    # Process._bootstrap runs these (not atexit) before a worker's os._exit().
-    multiprocessing.util.Finalize(None, _flush_all_at_exit, exitpriority=100)
-
-
 # ---------------------------------------------------------------------- helpers
-
-
-def _writable(path: str) -> bool:
-    """Can this process create files in ``path``? False on read-only mounts even for root."""
-    return os.access(path, os.W_OK)
 
 
 def _remove_lmdb_files(path: str) -> None:
@@ -868,40 +767,3 @@ def _translate(exc: lmdb.Error, path: str, action: str) -> LmdbCacheError:
     if isinstance(exc, lmdb.ReadonlyError):
         return ReadOnlyCacheError(f"Cache '{path}' is read-only ({exc}) while {action}.")
     return LmdbCacheError(f"LMDB error while {action} cache '{path}': {exc}")
-
-
-def filesystem_type(path: str, mountinfo: str | None = None) -> str | None:
-    """The type of the filesystem holding ``path`` (from /proc/self/mountinfo), or None if unknown."""
-    if mountinfo is None:
-        try:
-            with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-                mountinfo = f.read()
-        except OSError:
-            return None
-    real = os.path.realpath(path)
-    best, best_type = "", None
-    for line in mountinfo.splitlines():
-        left, sep, right = line.partition(" - ")
-        fields = left.split()
-        if not sep or len(fields) < 5:
-            continue
-        mount = fields[4].replace("\\040", " ")
-        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
-        if inside and len(mount) >= len(best):
-            best, best_type = mount, right.split()[0]
-    return best_type
-
-
-_warned_paths: set[str] = set()
-
-
-def _warn_if_network_fs(path: str) -> None:
-    fstype = filesystem_type(path)
-    if fstype in _NETWORK_FS and path not in _warned_paths:
-        _warned_paths.add(path)
-        warnings.warn(
-            f"Cache '{path}' is on a network filesystem ({fstype}). LMDB's locking is not safe there: use it from "
-            "one machine only, or better, build or copy the cache to a local disk (`lmdbcache copy`).",
-            LmdbCacheWarning,
-            stacklevel=4,
-        )

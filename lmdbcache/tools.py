@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from . import codec
+from . import _registry, codec
 from . import store as _store
 from .errors import CacheMismatchError, CorruptCacheError, CorruptSampleError, LmdbCacheError, NotACacheError
 
@@ -20,11 +20,11 @@ Progress = Callable[[int], Any] | None
 
 def _open(path: str | os.PathLike[str]) -> _store.Store:
     """This process's store for an existing cache (never creates one)."""
-    store = _store.acquire(os.fspath(path))
+    store = _registry.acquire(os.fspath(path))
     try:
         store.initialize(length=None, fingerprint=None, create=False)
     except BaseException:
-        _store.release(store)
+        _registry.release(store)
         raise
     return store
 
@@ -37,7 +37,7 @@ def info(path: str | os.PathLike[str]) -> dict[str, Any]:
         cached = store.count()
         env_info = store.env_info()
     finally:
-        _store.release(store)
+        _registry.release(store)
     data = os.path.join(store.path, _store.DATA_FILE)
     return {
         "path": store.path,
@@ -85,7 +85,7 @@ def verify(path: str | os.PathLike[str], *, repair: bool = False, progress: Prog
                 progress(1)
         repaired = store.delete(bad) if repair and bad else 0
     finally:
-        _store.release(store)
+        _registry.release(store)
     return VerifyResult(checked, bad, repaired)
 
 
@@ -97,7 +97,7 @@ def warm(path: str | os.PathLike[str], *, chunk: int = 8 << 20, progress: Progre
     Returns (bytes read, seconds).
     """
     store = _open(path)  # checks it is a cache
-    _store.release(store)
+    _registry.release(store)
     data = os.path.join(store.path, _store.DATA_FILE)
     start, total = time.perf_counter(), 0
     buf = bytearray(chunk)
@@ -162,7 +162,7 @@ def copy(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwrite:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     finally:
-        _store.release(source)
+        _registry.release(source)
     copied = info(dst_path)
     action = "copied" if existing is None else "replaced"
     return CopyResult(action, copied["cached"], copied["length"], time.perf_counter() - start)
@@ -200,7 +200,7 @@ def merge(
     for path in shard_paths:
         store = _open(path)
         metas.append((path, store.meta()))
-        _store.release(store)
+        _registry.release(store)
     first_path, first = metas[0]
     for path, meta in metas[1:]:
         if (meta["fingerprint"], meta["length"]) != (first["fingerprint"], first["length"]):
@@ -209,7 +209,7 @@ def merge(
                 f"{meta['length']}) than '{first_path}' ('{first['fingerprint']}', {first['length']}). "
                 "Merge only shards built from one dataset."
             )
-    target = _store.acquire(os.fspath(out), map_size=max(64 << 20, _total_size(shard_paths)))
+    target = _registry.acquire(os.fspath(out), map_size=max(64 << 20, _total_size(shard_paths)))
     try:
         target.initialize(length=first["length"], fingerprint=first["fingerprint"])
         for path in shard_paths:
@@ -232,9 +232,9 @@ def merge(
                         progress(1)
                 target.put_many(pending)
             finally:
-                _store.release(source)
+                _registry.release(source)
     finally:
-        _store.release(target)
+        _registry.release(target)
     return info(out)
 
 

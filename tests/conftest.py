@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from lmdbcache import store as _store
+from lmdbcache import _registry
 
 
 @pytest.fixture
@@ -19,9 +19,9 @@ def _no_leaked_handles():
     """Every test ends with no open cache handle in this process (datasets it dropped are collected)."""
     yield
     gc.collect()
-    for store in list(_store._stores.values()):
+    for store in list(_registry._stores.values()):
         store.close()
-    _store._stores.clear()
+    _registry._stores.clear()
 
 
 @pytest.fixture

@@ -164,10 +164,10 @@ def report_written(path: str, directory: str) -> None:
     """At this process's exit, record how many samples its commits wrote to ``path`` (a DataLoader worker_init_fn)."""
     import multiprocessing.util
 
-    from lmdbcache import store as _store
+    from lmdbcache import _registry
 
     def write() -> None:
-        store = _store._stores.get(os.path.realpath(path))
+        store = _registry._stores.get(os.path.realpath(path))
         if store is not None:
             with open(os.path.join(directory, f"{os.getpid()}.written"), "w") as f:
                 f.write(str(store.written))

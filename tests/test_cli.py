@@ -15,8 +15,7 @@ import pytest
 from helpers import Synthetic, assert_same, sample_for
 from test_processes import check_cache, wait_for_count
 
-from lmdbcache import CachedDataset, precompute
-from lmdbcache import store as _store
+from lmdbcache import CachedDataset, _registry, precompute
 from lmdbcache.cli import load_spec
 
 TESTS = Path(__file__).parent
@@ -161,10 +160,10 @@ def test_sharded_build_merged_and_verified(tmp_path):
     shards = [tmp_path / f"shard-{i}" for i in range(3)]
     for i, shard in enumerate(shards):
         cli("precompute", SPEC, str(shard), "--arg", f"n={n}", "--shard", f"{i}/3", "--workers", "1", "--quiet")
-        keys = list(_store.acquire(str(shard)).iter_keys())
+        keys = list(_registry.acquire(str(shard)).iter_keys())
         assert keys == list(range(i, n, 3))
-    _store._flush_all_at_exit()
-    _store._stores.clear()
+    _registry._flush_all_at_exit()
+    _registry._stores.clear()
     out = tmp_path / "merged"
     result = cli("merge", str(out), *map(str, shards), "--quiet")
     assert f"{n}/{n} samples (complete)" in result.stdout
@@ -281,7 +280,7 @@ def test_verify_finds_a_corrupted_value_and_repair_refills(cache_dir):
     with pytest.raises(Exception, match="index 17 is damaged"):
         ds[17]
     ds.close()
-    _store._stores.clear()
+    _registry._stores.clear()
     assert "deleted 1 damaged (17)" in cli("verify", str(cache_dir), "--repair", "--quiet").stdout
     assert "all intact" in cli("verify", str(cache_dir), "--quiet").stdout
     cli("precompute", SPEC, str(cache_dir), "--arg", "n=50", "--quiet")
@@ -343,7 +342,7 @@ def test_precompute_on_a_full_disk(tmp_path):
         assert 0 < ds.cached_count < 64
         ds.close()
     finally:
-        _store._flush_all_at_exit()
+        _registry._flush_all_at_exit()
         subprocess.run(["umount", str(mount)], check=True)
 
 

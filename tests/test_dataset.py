@@ -21,8 +21,9 @@ from lmdbcache import (
     NotACacheError,
     SampleNotCachedError,
     UnsupportedSampleError,
+    _fs,
+    _registry,
 )
-from lmdbcache import store as _store
 
 
 def test_len_and_indexing(cache_dir):
@@ -135,7 +136,7 @@ def test_cached_count_is_complete_close_and_context_manager(cache_dir):
         for i in range(5):
             ds[i]
         assert ds.is_complete
-    assert _store._stores == {}  # the context manager released the handle
+    assert _registry._stores == {}  # the context manager released the handle
     assert CachedDataset.open(cache_dir).is_complete
 
 
@@ -154,7 +155,7 @@ def test_commits_are_batched(cache_dir):
 def test_open_without_source(cache_dir):
     """CachedDataset.open serves a complete cache alone; a miss raises SampleNotCachedError naming the index."""
     CachedDataset(Synthetic(6), cache_dir).__getitems__(list(range(6)))
-    _store._flush_all_at_exit()
+    _registry._flush_all_at_exit()
     ds = CachedDataset.open(cache_dir)
     assert len(ds) == 6 and ds.is_complete and ds.fingerprint.endswith("Synthetic:6")
     assert [ds[i][1] for i in range(6)] == list(range(6))
@@ -199,7 +200,7 @@ def test_mismatch_says_what_and_how_to_fix(cache_dir, change, match):
     with pytest.raises(CacheMismatchError, match=match) as info:
         CachedDataset(kwargs.pop("dataset"), cache_dir, **kwargs)
     assert "overwrite=True" in str(info.value) and str(cache_dir) in str(info.value)
-    assert _store._stores == {}  # nothing left open
+    assert _registry._stores == {}  # nothing left open
 
 
 def test_overwrite_after_a_mismatch_works_in_the_same_process(cache_dir):
@@ -288,7 +289,7 @@ def test_max_readers_is_configurable(cache_dir):
     with CachedDataset(Synthetic(3), cache_dir) as ds:
         ds[0]
         assert ds._live_store()._env.max_readers() == 1024
-    _store._stores.clear()
+    _registry._stores.clear()
     other = cache_dir.parent / "other"
     with CachedDataset(Synthetic(3), other, max_readers=4000) as ds:
         ds[0]
@@ -297,7 +298,7 @@ def test_max_readers_is_configurable(cache_dir):
 
 def test_network_filesystem_warns_once(cache_dir, monkeypatch):
     """A cache directory on NFS (or another network filesystem) warns once that LMDB's locking is unsafe there."""
-    monkeypatch.setattr(_store, "filesystem_type", lambda path: "nfs4")
+    monkeypatch.setattr(_fs, "filesystem_type", lambda path: "nfs4")
     with pytest.warns(lmdbcache.LmdbCacheWarning, match="network filesystem"):
         CachedDataset(Synthetic(3), cache_dir).close()
     import warnings
@@ -314,10 +315,10 @@ def test_filesystem_type_from_mountinfo():
         "40 22 0:50 / /mnt/data rw - nfs4 server:/export rw\n"
         "41 40 0:51 / /mnt/data/local\\040dir rw - tmpfs tmpfs rw\n"
     )
-    assert _store.filesystem_type("/home/x", mountinfo) == "ext4"
-    assert _store.filesystem_type("/mnt/data/cache", mountinfo) == "nfs4"
-    assert _store.filesystem_type("/mnt/database", mountinfo) == "ext4"
-    assert _store.filesystem_type("/mnt/data/local dir/c", mountinfo) == "tmpfs"
+    assert _fs.filesystem_type("/home/x", mountinfo) == "ext4"
+    assert _fs.filesystem_type("/mnt/data/cache", mountinfo) == "nfs4"
+    assert _fs.filesystem_type("/mnt/database", mountinfo) == "ext4"
+    assert _fs.filesystem_type("/mnt/data/local dir/c", mountinfo) == "tmpfs"
 
 
 def test_repr_and_errors_subclass_the_base(cache_dir):
@@ -336,7 +337,7 @@ def test_checksum_always_and_once(cache_dir):
     once[1]
     assert list(once._live_store()._verified) == [0, 1, 0, 0]
     once.close()
-    _store._stores.clear()
+    _registry._stores.clear()
     always = CachedDataset.open(cache_dir, checksum="always")
     always[1]
     assert always._live_store()._verified is None

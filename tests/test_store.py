@@ -21,8 +21,8 @@ from lmdbcache import (
     CorruptCacheError,
     NotACacheError,
     ReadOnlyCacheError,
+    _registry,
 )
-from lmdbcache import store as _store
 
 GOLDEN = Path(__file__).parent / "data" / "golden-v1"
 
@@ -64,7 +64,7 @@ def read_only(path: Path):
         subprocess.run(["mount", "-o", "remount,bind,ro", str(mount)], check=True, capture_output=True)
         yield mount
     finally:
-        _store._flush_all_at_exit()  # a handle left open would keep the mount busy
+        _registry._flush_all_at_exit()  # a handle left open would keep the mount busy
         subprocess.run(["umount", str(mount)], check=True, capture_output=True)
         mount.rmdir()
 
@@ -131,7 +131,7 @@ def test_directory_with_other_files_is_refused(tmp_path):
 def _cache_with(cache_dir, n=10):
     with CachedDataset(Synthetic(n), cache_dir) as ds:
         ds.__getitems__(list(range(n)))
-    _store._stores.clear()
+    _registry._stores.clear()
 
 
 @pytest.mark.parametrize(

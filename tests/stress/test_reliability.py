@@ -26,6 +26,7 @@ from lmdbcache import (
     CacheMismatchError,
     CorruptSampleError,
     SampleNotCachedError,
+    _registry,
 )
 from lmdbcache import store as _store
 
@@ -166,7 +167,7 @@ def test_writers_sigkilled_at_random_moments(cache_dir):
             assert_same(store.get(index), sample_for(index))
         counts.append(len(committed))
         ds.close()
-        _store._stores.clear()
+        _registry._stores.clear()
         if len(committed) == n:
             break
     print(f"{len(counts)} SIGKILLs, committed after each: {counts}")
@@ -210,7 +211,7 @@ def test_map_grows_from_1_mib_while_others_read(cache_dir):
     """A writer grows a 1 MiB map to hundreds of MiB while two processes read (and check) every index."""
     n = scaled(160, 1000)  # 1 MiB samples
     CachedDataset(Huge(n, 1 << 20), cache_dir, fingerprint="grow", map_size=1 << 20).close()
-    _store._stores.clear()
+    _registry._stores.clear()
     stop = cache_dir.parent / "stop"
     readers = [run_script(READER, str(cache_dir), str(n), str(stop), wait=False) for _ in range(2)]
     run_script(GROWER, str(cache_dir), str(n))
@@ -248,7 +249,7 @@ def test_disk_full_during_a_lazy_fill(tmp_path):
         message = str(info.value)
         assert str(mount) in message and "bytes free" in message and isinstance(info.value, OSError)
         ds.close()
-        _store._stores.clear()
+        _registry._stores.clear()
         reopened = CachedDataset.open(path)
         committed = list(reopened._live_store().iter_keys())
         assert 0 < len(committed) < 64
@@ -260,8 +261,8 @@ def test_disk_full_during_a_lazy_fill(tmp_path):
         reopened.close()
         print(f"disk full after {len(committed)} committed samples: {message[:120]}...")
     finally:
-        _store._flush_all_at_exit()
-        _store._stores.clear()
+        _registry._flush_all_at_exit()
+        _registry._stores.clear()
         subprocess.run(["umount", str(mount)], check=True)
 
 
@@ -288,7 +289,7 @@ def test_flipped_byte_is_detected_on_read_in_every_process(cache_dir):
     """
     with CachedDataset(Synthetic(20), cache_dir) as ds:
         ds.__getitems__(list(range(20)))
-    _store._stores.clear()
+    _registry._stores.clear()
     _flip_byte_of_sample(cache_dir, 13)
     assert run_script(check, str(cache_dir)).stdout.strip() == "ok"
     from torch.utils.data import DataLoader
@@ -311,7 +312,7 @@ def test_random_bit_flips_anywhere_in_a_value(cache_dir, tmp_path):
         ds.__getitems__(list(range(n)))
         ds.flush()
         raw = dict(ds._live_store().iter_raw())
-    _store._stores.clear()
+    _registry._stores.clear()
     original = (cache_dir / "data.mdb").read_bytes()
     rng = random.Random(1)
     trials = scaled(6, 60)
@@ -335,7 +336,7 @@ def test_random_bit_flips_anywhere_in_a_value(cache_dir, tmp_path):
             else:
                 assert_same(ds[i], sample_for(i))
         ds.close()
-        _store._stores.clear()
+        _registry._stores.clear()
     print(f"{trials} random bit flips (offset 0..{len(value) - 1} of a value), each caught on read")
 
 
@@ -344,7 +345,7 @@ def test_older_and_newer_formats_are_refused(cache_dir, version):
     """A cache whose metadata says another on-disk format raises CacheMismatchError, and is left as it is."""
     with CachedDataset(Synthetic(3), cache_dir) as ds:
         ds[0]
-    _store._stores.clear()
+    _registry._stores.clear()
     with lmdb.open(str(cache_dir), max_dbs=2) as env:
         meta_db = env.open_db(b"meta")
         with env.begin(write=True) as txn:
@@ -368,7 +369,7 @@ def test_odd_samples(cache_dir):
     for i, sample in enumerate(samples):
         assert_same(ds[i], sample)
     ds.close()
-    _store._stores.clear()
+    _registry._stores.clear()
     again = CachedDataset.open(cache_dir)
     for i, sample in enumerate(samples):
         assert_same(again[i], sample)
@@ -383,7 +384,7 @@ def test_indices_beyond_2_to_the_32(cache_dir):
         assert_same(ds[i], Huge(2**33)[i])
     assert_same(ds[-1], Huge(2**33)[2**33 - 1])
     ds.close()
-    _store._stores.clear()
+    _registry._stores.clear()
     again = CachedDataset.open(cache_dir)
     assert len(again) == 2**33 and again.cached_count == len(picks)
     assert list(again._live_store().iter_keys()) == picks
@@ -406,7 +407,7 @@ def test_stale_readers_are_cleared_when_the_table_is_full(cache_dir, monkeypatch
         time.sleep(120)
     """
     CachedDataset(Synthetic(5), cache_dir, max_readers=4).close()
-    _store._stores.clear()
+    _registry._stores.clear()
     live = CachedDataset(Synthetic(5), cache_dir, max_readers=4)  # keeps the lock file in use
     live[0]
     for round_ in range(scaled(2, 10)):

@@ -1,0 +1,121 @@
+"""One Store per cache directory per process, and what keeps processes apart.
+
+``acquire``/``release`` hand out this process's Store for a directory (datasets, precompute
+and the tools share it: one LMDB environment per file per process, as LMDB requires).
+
+Fork. Before every ``fork()`` each store commits its queue, stops its committer thread and
+closes its environment, holding its lock across the fork so no thread reopens it; the child
+starts with an empty registry (the parent's stores stay reachable from datasets, which see
+the pid change and acquire their own). LMDB forbids using an environment across fork, and
+py-lmdb 3 refuses to open one in a child whose parent holds it open.
+
+Exit. Queued samples are committed at interpreter exit (atexit) and, in multiprocessing
+children such as DataLoader workers, by multiprocessing's exit finalizers (workers end with
+``os._exit``, which skips atexit).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import warnings
+from typing import Any
+
+from .errors import LmdbCacheWarning
+from .store import Store
+
+__all__ = ["acquire", "current_pid", "release"]
+
+_pid = os.getpid()
+_stores: dict[str, Store] = {}
+_registry_lock = threading.Lock()
+_exit_flush_pid = 0
+
+
+def acquire(path: str, **options: Any) -> Store:
+    """This process's Store for ``path`` (one per directory per process), with one more reference.
+
+    The first caller's options win; later callers share that store.
+    """
+    if options.get("checksum", "once") not in ("once", "always"):
+        raise ValueError(f"checksum must be 'once' or 'always', not {options['checksum']!r}")
+    key = os.path.realpath(path)
+    with _registry_lock:
+        store = _stores.get(key)
+        if store is None:
+            store = _stores[key] = Store(os.path.abspath(path), **options)
+            store.pid = _pid
+            _register_exit_flush()
+        store.refs += 1
+        return store
+
+
+def release(store: Store) -> None:
+    """Drop one reference; the last one commits and closes the environment."""
+    with _registry_lock:
+        if store.pid != _pid:
+            return  # inherited across fork: the parent owns it
+        store.refs -= 1
+        if store.refs > 0:
+            return
+        for key, value in list(_stores.items()):
+            if value is store:
+                del _stores[key]
+    store.close()
+
+
+def current_pid() -> int:
+    return _pid
+
+
+def _before_fork() -> None:
+    # Commit and close every environment so the child inherits none (see module docstring).
+    # The locks stay held across the fork so no thread reopens one in between.
+    _registry_lock.acquire()
+    for store in _stores.values():
+        store.before_fork()
+
+
+def _after_fork_parent() -> None:
+    for store in _stores.values():
+        store.after_fork(in_child=False)
+    _registry_lock.release()
+
+
+def _after_fork_child() -> None:
+    global _pid
+    _pid = os.getpid()
+    # The child opens its own stores. The parent's objects stay reachable from datasets,
+    # which see the pid change and re-acquire; unlock them so nothing can hang on them.
+    for store in _stores.values():
+        store.after_fork(in_child=True)
+    _stores.clear()
+    _registry_lock.release()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent, after_in_child=_after_fork_child)
+
+
+def _flush_all_at_exit() -> None:
+    for store in list(_stores.values()):
+        if store.pid == _pid:
+            try:
+                store.close()
+            except Exception as exc:
+                warnings.warn(
+                    f"lmdbcache: could not commit queued samples at exit: {exc}", LmdbCacheWarning, stacklevel=1
+                )
+
+
+def _register_exit_flush() -> None:
+    """Commit queued samples at exit: atexit in a main process, multiprocessing finalizers in workers."""
+    global _exit_flush_pid
+    if _exit_flush_pid == _pid:
+        return
+    _exit_flush_pid = _pid
+    atexit.register(_flush_all_at_exit)
+    import multiprocessing.util
+
+    # Process._bootstrap runs these (not atexit) before a worker's os._exit().
+    multiprocessing.util.Finalize(None, _flush_all_at_exit, exitpriority=100)
