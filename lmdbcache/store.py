@@ -5,17 +5,18 @@ The environment has two named databases: ``meta`` (one record, ``b"meta"``: a ms
 map, see ``Store.initialize``) and ``samples`` (key: the index as 8 bytes big-endian, so
 key order is index order; value: one encoded sample, see ``codec``).
 
-Processes. Each process opens its own environment, lazily, and never uses one across
-``fork()`` (LMDB forbids it, and py-lmdb 3 refuses to open an environment in a child
-whose parent holds it open). So before every fork this module flushes and closes the
-process's environments (reopened on next use, ~0.1 ms), and the child starts with an
-empty registry. Pickling a dataset carries its configuration only.
+The metadata record: ``format_version`` (int), ``length``, ``fingerprint``, ``codec``,
+``library_version``, ``created`` (ISO 8601, UTC) and ``cache_id`` (a random hex string,
+new at every build or rebuild: processes check it before they commit, so a process still
+filling a rebuilt cache cannot write old samples into it).
 
-Writes. Misses are queued in memory and committed together, in one write transaction
-under the inter-process file lock, every ``commit_every`` samples, ``commit_bytes``
-bytes or ``commit_interval`` seconds, on ``flush()``/``close()``, before a fork, and at
-process exit (atexit, and multiprocessing's exit finalizers, which run in DataLoader
-workers where atexit does not). A key is never written twice (``overwrite=False``).
+Processes. Each process opens its own environment, lazily, and never uses one across
+``fork()``; ``_registry`` closes them before every fork and hands out one Store per
+directory per process. Pickling a dataset carries its configuration only.
+
+Writes. Misses are queued and committed by a background thread (``_commit``), one
+write transaction per batch, under the inter-process file lock ``lmdbcache.lock``. A key
+is never written twice (``overwrite=False``).
 
 Durability. ``sync=True, metasync=False``: every commit fdatasyncs the data pages and
 leaves the meta page to the next commit or the OS. A process killed at any instant
