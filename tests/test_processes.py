@@ -54,7 +54,7 @@ def test_dataloader_workers_fill_one_cache(cache_dir, counts, context, persisten
         ds, batch_size=8, shuffle=True, num_workers=2, multiprocessing_context=context, persistent_workers=persistent
     )
     for _epoch in range(2):
-        time.sleep(1.5 if persistent else 0)  # idle persistent workers commit within commit_interval (1 s)
+        time.sleep(2.5 if persistent else 0)  # idle persistent workers commit within commit_interval (1 s)
         labels = []
         for images, batch_labels in loader:
             for image, label in zip(images, batch_labels):
