@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -188,3 +192,26 @@ def total_written(directory: str) -> int:
             with open(os.path.join(directory, name)) as f:
                 total += int(f.read())
     return total
+
+
+@contextlib.contextmanager
+def small_disk(tmp_path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted under ``tmp_path`` (the test is skipped where mounting is not allowed)."""
+    import pytest
+
+    from lmdbcache import _registry
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield mount
+    finally:
+        _registry._flush_all_at_exit()  # a handle left open would keep the mount busy
+        _registry._stores.clear()
+        subprocess.run(["umount", str(mount)], check=True)

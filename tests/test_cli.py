@@ -12,7 +12,7 @@ from pathlib import Path
 
 import lmdb
 import pytest
-from helpers import Synthetic, assert_same, sample_for
+from helpers import Synthetic, assert_same, sample_for, small_disk
 from test_processes import check_cache, wait_for_count
 
 from lmdbcache import CachedDataset, _registry, precompute
@@ -184,13 +184,18 @@ def test_merge_refuses_shards_of_different_datasets(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def slow_precompute(cache_dir, n: int) -> subprocess.Popen:
+    """A precompute of ``n`` samples at ~2 ms each on 2 workers, committing every 50: slow enough to interrupt."""
+    return cli(
+        "precompute", SPEC, str(cache_dir), "--arg", f"n={n}", "--arg", "delay=0.002", "--workers", "2",
+        "--commit-every", "50", "--quiet", wait=False,
+    )  # fmt: skip
+
+
 def test_sigkill_mid_precompute_then_resume(cache_dir):
     """A precompute SIGKILLed mid-run keeps every committed sample; rerunning completes the cache, all correct."""
     n = 1500
-    with cli(
-        "precompute", SPEC, str(cache_dir), "--arg", f"n={n}", "--arg", "delay=0.002", "--workers", "2",
-        "--commit-every", "50", "--quiet", wait=False,
-    ) as proc:  # fmt: skip
+    with slow_precompute(cache_dir, n) as proc:
         wait_for_count(cache_dir, 200)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
@@ -207,10 +212,7 @@ def test_sigkill_mid_precompute_then_resume(cache_dir):
 def test_ctrl_c_keeps_what_was_decoded_and_resumes(cache_dir):
     """Ctrl-C exits 130 with a one-line summary of what was kept; the rerun finishes the job."""
     n = 3000
-    with cli(
-        "precompute", SPEC, str(cache_dir), "--arg", f"n={n}", "--arg", "delay=0.002", "--workers", "2",
-        "--commit-every", "50", "--quiet", wait=False,
-    ) as proc:  # fmt: skip
+    with slow_precompute(cache_dir, n) as proc:
         wait_for_count(cache_dir, 100)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
@@ -325,13 +327,7 @@ def test_copy_during_a_concurrent_fill(tmp_path):
 
 def test_precompute_on_a_full_disk(tmp_path):
     """On a disk that fills up, precompute exits 1 saying so (path, free space); the cache stays consistent."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with small_disk(tmp_path, "24m") as mount:
         cache = mount / "cache"
         line = one_line_error(
             cli("precompute", "helpers:Big", str(cache), "--arg", "n=64", "--commit-every", "4", check=1)
@@ -341,9 +337,6 @@ def test_precompute_on_a_full_disk(tmp_path):
         ds = CachedDataset.open(cache)
         assert 0 < ds.cached_count < 64
         ds.close()
-    finally:
-        _registry._flush_all_at_exit()
-        subprocess.run(["umount", str(mount)], check=True)
 
 
 def test_torchrun_local_ranks_split_the_work(cache_dir):

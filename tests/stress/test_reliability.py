@@ -8,7 +8,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import time
 
 import lmdb
@@ -16,7 +15,7 @@ import msgpack
 import pytest
 import torch
 from conftest import scaled
-from helpers import Big, Huge, Listed, Synthetic, assert_same, sample_for, total_written
+from helpers import Big, Huge, Listed, Synthetic, assert_same, sample_for, small_disk, total_written
 from test_cli import _flip_in_file, cli
 from test_processes import check_cache, run_script, wait_for_count
 
@@ -233,13 +232,7 @@ def test_map_grows_from_1_mib_while_others_read(cache_dir):
 def test_disk_full_during_a_lazy_fill(tmp_path):
     """Filling on a disk that fills up raises CacheFullError naming the path and the free space; what was
     committed before stays readable and equal to its source, and nothing partial is ever served."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mount)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with small_disk(tmp_path, "20m") as mount:
         path = mount / "cache"
         ds = CachedDataset(Big(64), path, commit_every=2)
         with pytest.raises(CacheFullError) as info:
@@ -260,10 +253,6 @@ def test_disk_full_during_a_lazy_fill(tmp_path):
             reopened[missing]
         reopened.close()
         print(f"disk full after {len(committed)} committed samples: {message[:120]}...")
-    finally:
-        _registry._flush_all_at_exit()
-        _registry._stores.clear()
-        subprocess.run(["umount", str(mount)], check=True)
 
 
 def _flip_byte_of_sample(path, index: int) -> None:
