@@ -25,7 +25,7 @@ from typing import Any
 from .errors import LmdbCacheWarning
 from .store import Store
 
-__all__ = ["acquire", "current_pid", "release"]
+__all__ = ["acquire", "release"]
 
 _pid = os.getpid()
 _stores: dict[str, Store] = {}
@@ -63,10 +63,6 @@ def release(store: Store) -> None:
             if value is store:
                 del _stores[key]
     store.close()
-
-
-def current_pid() -> int:
-    return _pid
 
 
 def _before_fork() -> None:

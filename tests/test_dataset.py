@@ -345,7 +345,7 @@ def test_checksum_always_and_once(cache_dir):
         CachedDataset.open(cache_dir, checksum="never")
 
 
-def test_environment_variable_free_paths(tmp_path, monkeypatch):
+def test_relative_and_pathlib_paths_share_one_handle(tmp_path, monkeypatch):
     """Relative paths and pathlib paths both work and resolve to one handle per directory."""
     monkeypatch.chdir(tmp_path)
     a = CachedDataset(Synthetic(3), "rel.lmdb")
