@@ -129,9 +129,7 @@ class CachedDataset(Dataset):
         """A whole batch in one read transaction, misses filled together (the DataLoader calls this)."""
         n = self._length
         indices = [i if type(i) is int and 0 <= i < n else self._index(i) for i in indices]
-        store = self._store
-        if store is None or store.pid != _registry._pid:
-            store = self._attach()
+        store = self._live_store()  # once per batch: __getitem__ inlines this check, per sample
         samples = store.get_many(indices)
         misses = [k for k, sample in enumerate(samples) if sample is MISSING]
         if misses:

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import gc
-import os
 
 import pytest
 
@@ -30,8 +29,3 @@ def counts(tmp_path):
     path = tmp_path / "reads"
     path.mkdir()
     return str(path)
-
-
-def pytest_configure(config):
-    # Stress runs scale their iteration counts; see tests/stress.
-    os.environ.setdefault("LMDBCACHE_STRESS", "0")
