@@ -9,15 +9,19 @@ from .errors import (
     CacheMismatchError,
     CorruptCacheError,
     CorruptSampleError,
+    InvalidOptionError,
     LmdbCacheError,
     LmdbCacheWarning,
+    NondeterministicDatasetError,
     NotACacheError,
     ReadersFullError,
     ReadOnlyCacheError,
     SampleNotCachedError,
+    SourceItemError,
+    SpecError,
     UnsupportedSampleError,
 )
-from .precompute import NondeterministicDatasetError, PrecomputeResult, SourceItemError, precompute
+from .precompute import PrecomputeResult, precompute
 
 __all__ = [
     "FORMAT_VERSION",
@@ -26,6 +30,7 @@ __all__ = [
     "CachedDataset",
     "CorruptCacheError",
     "CorruptSampleError",
+    "InvalidOptionError",
     "LmdbCacheError",
     "LmdbCacheWarning",
     "NondeterministicDatasetError",
@@ -35,6 +40,7 @@ __all__ = [
     "ReadersFullError",
     "SampleNotCachedError",
     "SourceItemError",
+    "SpecError",
     "UnsupportedSampleError",
     "__version__",
     "default_fingerprint",

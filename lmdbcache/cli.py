@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._version import __version__
-from .errors import LmdbCacheError
+from .errors import LmdbCacheError, SpecError
 
 EXAMPLES = {
     "precompute": """examples:
@@ -48,10 +48,6 @@ Does nothing if the destination already holds the complete cache; replaces an in
   lmdbcache merge /fast/train.lmdb /fast/shard-0.lmdb /fast/shard-1.lmdb /fast/shard-2.lmdb
   lmdbcache merge /fast/train.lmdb /fast/shard-*.lmdb""",
 }
-
-
-class SpecError(LmdbCacheError, ValueError):
-    """A precompute SPEC that does not import, is not callable, or does not return a dataset."""
 
 
 def load_spec(spec: str, kwargs: dict[str, Any]) -> Any:

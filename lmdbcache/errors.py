@@ -5,18 +5,23 @@ which is how the DataLoader re-raises an exception from a worker in the main pro
 Each one also subclasses the builtin a caller would already catch::
 
     LmdbCacheError(Exception)
-    ├── CacheMismatchError(ValueError)      stored length, fingerprint or format differ
-    ├── NotACacheError(ValueError)          the path holds something that is not an lmdbcache cache
-    ├── CorruptCacheError(OSError)          data.mdb is truncated or unreadable
-    ├── CorruptSampleError(ValueError)      a stored value fails its checksum
-    ├── SampleNotCachedError(LookupError)   a miss with no source dataset to fill it
-    ├── UnsupportedSampleError(TypeError)   a sample (or part of one) the codec cannot store
-    ├── ReadOnlyCacheError(PermissionError) a write to a cache opened read-only
-    ├── CacheFullError(OSError)             the disk (not the map: that grows) is full
-    └── ReadersFullError(RuntimeError)      LMDB's reader table is exhausted
+    ├── CacheMismatchError(ValueError)          stored length, fingerprint, format or build differ,
+    │                                           a source that no longer matches, a rebuilt cache
+    ├── NotACacheError(ValueError)              the path holds something that is not an lmdbcache cache
+    ├── CorruptCacheError(OSError)              data.mdb or its metadata is truncated, damaged or unreadable
+    ├── CorruptSampleError(ValueError)          a stored value fails its checksum or does not parse
+    ├── SampleNotCachedError(LookupError)       a miss with no source dataset to fill it
+    ├── UnsupportedSampleError(TypeError)       a sample (or part of one) the codec cannot store
+    ├── ReadOnlyCacheError(PermissionError)     a write to a cache opened read-only
+    ├── CacheFullError(OSError)                 the disk (not the map: that grows) is full
+    ├── ReadersFullError(RuntimeError)          LMDB's reader table is exhausted
+    ├── InvalidOptionError(ValueError)          an argument or option out of its valid range
+    ├── SpecError(ValueError)                   a precompute SPEC that does not give a dataset
+    ├── NondeterministicDatasetError(ValueError) the source returned two different samples for one index
+    └── SourceItemError(RuntimeError)           the source raised while precompute read an index
 
 ``LmdbCacheWarning(UserWarning)`` is for situations that work but deserve attention
-(a cache on a network filesystem).
+(a cache on a network filesystem, an option that cannot be honoured).
 
 ``SampleNotCachedError`` is a ``LookupError`` but deliberately not an ``IndexError``:
 ``for x in ds`` stops at the first ``IndexError``, so a miss must never look like one.
@@ -29,12 +34,16 @@ __all__ = [
     "CacheMismatchError",
     "CorruptCacheError",
     "CorruptSampleError",
+    "InvalidOptionError",
     "LmdbCacheError",
     "LmdbCacheWarning",
+    "NondeterministicDatasetError",
     "NotACacheError",
     "ReadOnlyCacheError",
     "ReadersFullError",
     "SampleNotCachedError",
+    "SourceItemError",
+    "SpecError",
     "UnsupportedSampleError",
 ]
 
@@ -44,7 +53,7 @@ class LmdbCacheError(Exception):
 
 
 class CacheMismatchError(LmdbCacheError, ValueError):
-    """The cache was built for another dataset (length, fingerprint) or format."""
+    """The cache was built for another dataset (length, fingerprint, content) or format, or rebuilt since."""
 
 
 class NotACacheError(LmdbCacheError, ValueError):
@@ -52,7 +61,7 @@ class NotACacheError(LmdbCacheError, ValueError):
 
 
 class CorruptCacheError(LmdbCacheError, OSError):
-    """The LMDB files are damaged: empty, truncated, or not readable as LMDB."""
+    """The LMDB files or the metadata record are damaged: empty, truncated, or not readable."""
 
 
 class CorruptSampleError(LmdbCacheError, ValueError):
@@ -77,6 +86,22 @@ class CacheFullError(LmdbCacheError, OSError):
 
 class ReadersFullError(LmdbCacheError, RuntimeError):
     """LMDB's table of concurrent readers is full, even after clearing dead processes."""
+
+
+class InvalidOptionError(LmdbCacheError, ValueError):
+    """An argument or option is outside its valid range (a negative size, an unknown mode)."""
+
+
+class SpecError(LmdbCacheError, ValueError):
+    """A precompute SPEC that does not import, is not callable, or does not return a dataset."""
+
+
+class NondeterministicDatasetError(LmdbCacheError, ValueError):
+    """The wrapped dataset returned different samples for the same index on two calls."""
+
+
+class SourceItemError(LmdbCacheError, RuntimeError):
+    """The wrapped dataset raised while precompute was reading one index (what was written is kept)."""
 
 
 class LmdbCacheWarning(UserWarning):

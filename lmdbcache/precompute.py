@@ -21,17 +21,9 @@ from . import _registry
 from . import store as _store
 from .codec import encode
 from .dataset import default_fingerprint
-from .errors import LmdbCacheError
+from .errors import LmdbCacheError, NondeterministicDatasetError, SourceItemError
 
 __all__ = ["NondeterministicDatasetError", "PrecomputeResult", "SourceItemError", "precompute", "shard_indices"]
-
-
-class NondeterministicDatasetError(LmdbCacheError, ValueError):
-    """The wrapped dataset returned different samples for the same index on two calls."""
-
-
-class SourceItemError(LmdbCacheError, RuntimeError):
-    """The wrapped dataset raised while precompute was reading one index (what was written is kept)."""
 
 
 @dataclasses.dataclass
