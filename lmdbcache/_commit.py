@@ -2,15 +2,24 @@
 
 Misses are queued (``add``) and handed to a committer thread in batches: when the queue
 holds ``commit_every`` samples or ``commit_bytes`` bytes, or ``commit_interval`` seconds
-after its first sample (the thread's timed wait: an idle persistent worker commits too).
-The thread writes the batch in one transaction, so the fdatasync of a commit overlaps
-the caller's decoding instead of stalling it. One batch is in flight at a time; a
-second waits (back-pressure: a disk slower than the decoders bounds memory).
+after the oldest queued sample (the thread's timed wait: an idle persistent worker commits
+too). Several datasets may share one queue (one store per directory per process); each
+``add`` carries its dataset's policy and the queue commits as soon as the strictest policy
+among the queued samples asks for it, so every object's own bound holds.
+
+The thread writes the batch in one transaction, so the fdatasync of a commit overlaps the
+caller's decoding instead of stalling it. One batch is in flight at a time; a second waits
+(back-pressure: a disk slower than the decoders bounds memory).
 
 Queued and in-flight samples stay readable (``lookup``) until they are committed. The
 queue shares its store's lock (a ``threading.Condition`` on it), so every state change
 happens under the one lock that readers, the pre-fork close and map growth also take.
 An error in the thread (a full disk) is raised to the next caller of ``add`` or ``drain``.
+
+Lifecycle. Each thread has its own stop flag, so a thread started while ``stop`` waits
+for the previous one (the lock is released during the join) is never mistaken for the
+stopped one; ``stop`` loops until no thread runs and nothing is queued. A fork child
+starts with an empty queue and no thread (``reset_in_child``).
 """
 
 from __future__ import annotations
@@ -18,48 +27,64 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 Batch = list[tuple[int, bytes]]
 
 
+class Policy(NamedTuple):
+    """When to commit: after this many samples, bytes, or seconds since the oldest queued one."""
+
+    every: int
+    bytes: int
+    interval: float
+
+
+class _Committer:
+    __slots__ = ("stop", "thread")
+
+    def __init__(self, thread: threading.Thread) -> None:
+        self.thread = thread
+        self.stop = False
+
+
 class CommitQueue:
-    def __init__(
-        self,
-        lock: threading.Lock,
-        write: Callable[[Batch], int],
-        *,
-        commit_every: int,
-        commit_bytes: int,
-        commit_interval: float,
-    ) -> None:
+    def __init__(self, lock: threading.Lock, write: Callable[[Batch], int], policy: Policy) -> None:
         self._cond = threading.Condition(lock)
         self._write = write  # called on the thread, without the lock: it takes what it needs
-        self.commit_every = max(1, int(commit_every))
-        self.commit_bytes = int(commit_bytes)
-        self.commit_interval = float(commit_interval)
+        self.policy = policy  # the default for add() calls that bring none
         self.pending: dict[int, bytes] = {}
         self.pending_bytes = 0
-        self.pending_since = 0.0
         self.inflight: dict[int, bytes] = {}
         self.written = 0  # samples this queue's commits actually wrote (existing keys are skipped)
+        # The strictest policy among the queued samples, and when the oldest must be committed.
+        self._every = self._bytes = 0
+        self._deadline = 0.0
         self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping = False
+        self._committer: _Committer | None = None
+        self._busy = False  # a thread is writing the in-flight batch
 
     # All methods below are called with the lock held.
 
-    def add(self, index: int, value: bytes) -> None:
+    def add(self, index: int, value: bytes, policy: Policy | None = None) -> None:
         self.raise_error()
         if index in self.pending or index in self.inflight:
             return
+        policy = policy or self.policy
+        deadline = time.monotonic() + policy.interval
         if not self.pending:
-            self.pending_since = time.monotonic()
+            self._every, self._bytes, self._deadline = policy.every, policy.bytes, deadline
+        else:
+            self._every = min(self._every, policy.every)
+            self._bytes = min(self._bytes, policy.bytes)
+            self._deadline = min(self._deadline, deadline)
         self.pending[index] = value
         self.pending_bytes += len(value)
-        if len(self.pending) >= self.commit_every or self.pending_bytes >= self.commit_bytes:
+        if len(self.pending) >= self._every or self.pending_bytes >= self._bytes:
             self.hand_off()
-        elif self._thread is None:
-            self._start()  # its timed wait commits this sample commit_interval from now
+        else:
+            self._ensure_thread()
+            self._cond.notify_all()  # the thread re-reads the deadline (it may have been idle)
 
     def lookup(self, index: int) -> bytes | None:
         value = self.pending.get(index)
@@ -72,8 +97,7 @@ class CommitQueue:
         self.raise_error()
         if self.pending:
             self.inflight, self.pending, self.pending_bytes = self.pending, {}, 0
-            if self._thread is None:
-                self._start()
+            self._ensure_thread()
             self._cond.notify_all()
 
     def drain(self) -> int:
@@ -89,54 +113,79 @@ class CommitQueue:
         """Mark ``batch`` as being written by the caller's thread (a close or a fork waits for it)."""
         self.drain()
         self.inflight = dict(batch)
+        self._busy = True  # the committer thread must not write it too
 
     def end_direct(self) -> None:
         self.inflight = {}
+        self._busy = False
         self._cond.notify_all()
 
     def stop(self) -> None:
-        """Drain, then end the thread (a later ``add`` starts a new one)."""
-        try:
-            self.drain()
-        finally:
-            thread, self._thread = self._thread, None
-            if thread is not None:
-                self._stopping = True
-                self._cond.notify_all()
-                self._cond.release()
-                try:
-                    thread.join()
-                finally:
-                    self._cond.acquire()
-                    self._stopping = False
+        """Drain and end the thread; on return no thread runs and nothing is queued or in flight.
+
+        The lock is released while joining, so other threads may queue more meanwhile:
+        loop until a pass finds nothing to do. Errors of a commit are raised, after the
+        thread is told to stop.
+        """
+        while True:
+            try:
+                self.drain()
+            finally:
+                committer, self._committer = self._committer, None
+                if committer is not None:
+                    committer.stop = True
+                    self._cond.notify_all()
+                    self._cond.release()
+                    try:
+                        committer.thread.join()
+                    finally:
+                        self._cond.acquire()
+            if committer is None and not self.pending and not self.inflight:
+                return
 
     def forget(self) -> None:
-        """Drop every uncommitted sample (the cache they belonged to was rebuilt)."""
+        """Drop every queued sample (the cache they belonged to was rebuilt)."""
         self.pending, self.pending_bytes = {}, 0
+
+    def reset_in_child(self) -> None:
+        """In a fork child: the parent's samples and thread do not exist here."""
+        self.pending, self.pending_bytes, self.inflight = {}, 0, {}
+        self._committer = None
+        self._error = None
+        self._busy = False
 
     def raise_error(self) -> None:
         error, self._error = self._error, None
         if error is not None:
             raise error
 
-    def _start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="lmdbcache-commit", daemon=True)
-        self._thread.start()
+    def _ensure_thread(self) -> None:
+        if self._committer is None:
+            thread = threading.Thread(name="lmdbcache-commit", daemon=True)
+            committer = self._committer = _Committer(thread)
+            thread.run = lambda: self._run(committer)  # type: ignore[method-assign]
+            thread.start()
 
-    def _run(self) -> None:
+    def _run(self, me: _Committer) -> None:
         cond = self._cond
         while True:
             with cond:
-                while not self.inflight:
-                    if self._stopping:
+                while True:
+                    if me.stop:
                         return
+                    if self._busy:  # a stopped thread is still writing: never take its batch
+                        cond.wait()
+                        continue
+                    if self.inflight:
+                        break
                     timeout = None
                     if self.pending:
-                        timeout = self.pending_since + self.commit_interval - time.monotonic()
+                        timeout = self._deadline - time.monotonic()
                         if timeout <= 0:
                             self.inflight, self.pending, self.pending_bytes = self.pending, {}, 0
                             break
                     cond.wait(timeout)
+                self._busy = True
                 batch = sorted(self.inflight.items())  # key order: appends to the B-tree
             error = None
             try:
@@ -145,6 +194,7 @@ class CommitQueue:
                 error, written = exc, 0
             with cond:
                 self.inflight = {}
+                self._busy = False
                 self.written += written
                 if error is not None:
                     self._error = error

@@ -25,7 +25,7 @@ from typing import Any
 from .errors import LmdbCacheWarning
 from .store import Store
 
-__all__ = ["acquire", "release"]
+__all__ = ["acquire", "owns", "release"]
 
 _pid = os.getpid()
 _stores: dict[str, Store] = {}
@@ -36,10 +36,10 @@ _exit_flush_pid = 0
 def acquire(path: str, **options: Any) -> Store:
     """This process's Store for ``path`` (one per directory per process), with one more reference.
 
-    The first caller's options win; later callers share that store.
+    Later callers share the first caller's store. Per-object options (checksum, commit
+    policy) travel with each call instead; of the per-environment ones a larger
+    ``map_size`` is honoured and a different ``max_readers`` is a warning (``Store.reconcile``).
     """
-    if options.get("checksum", "once") not in ("once", "always"):
-        raise ValueError(f"checksum must be 'once' or 'always', not {options['checksum']!r}")
     key = os.path.realpath(path)
     with _registry_lock:
         store = _stores.get(key)
@@ -47,8 +47,22 @@ def acquire(path: str, **options: Any) -> Store:
             store = _stores[key] = Store(os.path.abspath(path), **options)
             store.pid = _pid
             _register_exit_flush()
+            created = True
+        else:
+            created = False
         store.refs += 1
-        return store
+    if not created:
+        try:
+            store.reconcile(options.get("map_size", store.map_size), options.get("max_readers", store.max_readers))
+        except BaseException:
+            release(store)
+            raise
+    return store
+
+
+def owns(store: Store) -> bool:
+    """Was ``store`` handed out in this process (not inherited across a fork)?"""
+    return store.pid == _pid
 
 
 def release(store: Store) -> None:

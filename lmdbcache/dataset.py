@@ -4,27 +4,60 @@ from __future__ import annotations
 
 import operator
 import os
+import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from torch.utils.data import Dataset
+import numpy as np
+import xxhash
+from torch.utils.data import ConcatDataset, Dataset, Subset, TensorDataset
 
 from . import _registry
+from ._commit import Policy
+from ._diff import first_difference
 from .codec import decode, encode
-from .errors import SampleNotCachedError
-from .store import MISSING, Store
+from .errors import CacheMismatchError, InvalidOptionError, SampleNotCachedError
+from .store import MISSING, Store, check_options
 
 __all__ = ["CachedDataset", "default_fingerprint"]
 
 
 def default_fingerprint(dataset: Any) -> str:
-    """``Class:length`` of the wrapped dataset. Pass ``fingerprint=`` for anything stronger.
+    """``Class:length`` of the wrapped dataset, spelled out for PyTorch's generic wrappers.
 
-    The module is left out on purpose: the same class imported as ``scripts.data`` by a
-    training script and as ``data`` by ``lmdbcache precompute scripts/data.py:make`` must
-    open the same cache.
+    ``Subset`` adds a hash of its indices (a train and a val subset of equal length differ),
+    ``ConcatDataset`` and ``TensorDataset`` list their parts (tensors by dtype and shape);
+    no sample is read. The module is left out on purpose: the same class imported as
+    ``scripts.data`` by a training script and as ``data`` by ``lmdbcache precompute
+    scripts/data.py:make`` must open the same cache. Pass ``fingerprint=`` for anything
+    stronger: the default cannot see a change of preprocessing (the spot check can).
     """
-    return f"{type(dataset).__qualname__}:{len(dataset)}"
+    name = type(dataset).__qualname__
+    if isinstance(dataset, Subset):
+        indices = np.asarray(dataset.indices, dtype=np.int64)
+        digest = xxhash.xxh3_64_hexdigest(np.ascontiguousarray(indices).tobytes())
+        return f"{name}({default_fingerprint(dataset.dataset)})[{digest}]:{len(dataset)}"
+    if isinstance(dataset, ConcatDataset):
+        return f"{name}({', '.join(default_fingerprint(d) for d in dataset.datasets)}):{len(dataset)}"
+    if isinstance(dataset, TensorDataset):
+        parts = ", ".join(f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}" for t in dataset.tensors)
+        return f"{name}({parts}):{len(dataset)}"
+    return f"{name}:{len(dataset)}"
+
+
+def _dataset_length(dataset: Any) -> int:
+    try:
+        length = operator.index(type(dataset).__len__(dataset))  # not len(): it hides a negative length
+    except (TypeError, AttributeError) as exc:
+        raise InvalidOptionError(
+            f"The dataset ({type(dataset).__name__}) has no usable length ({exc}); CachedDataset wraps map-style "
+            "datasets with __len__ and __getitem__."
+        ) from None
+    if length < 0:
+        raise InvalidOptionError(
+            f"The dataset ({type(dataset).__name__}) reports length {length}; a length must be >= 0. Fix its __len__."
+        )
+    return length
 
 
 class CachedDataset(Dataset):
@@ -50,10 +83,15 @@ class CachedDataset(Dataset):
             once, here, never again in DataLoader workers.
         commit_every, commit_bytes, commit_interval: commit queued misses after this many
             samples, bytes or seconds (also on ``flush()``, ``close()`` and at exit).
-        checksum: ``"once"`` (default) verifies each value's data checksum the first time
-            this process reads it and skips the hash on later reads of that index;
-            ``"always"`` verifies every read (about 10% slower on image-sized samples).
-            A damaged value raises ``CorruptSampleError`` and is never returned.
+        checksum: what is verified on each read. Every read checks the value's structure
+            (types, dtypes, shapes, lengths) and that it belongs to the index asked for.
+            ``"once"`` (default) also verifies the data checksum the first time this process
+            reads an index; ``"always"`` on every read (see the README for what it costs).
+            A value failing a check raises ``CorruptSampleError`` and is never returned.
+        spot_check: when an existing cache is opened with its source, re-decode this many
+            random cached indices and compare them with the cache; a difference (changed
+            preprocessing, another subset) raises ``CacheMismatchError``. 0 turns it off.
+            Done once, here, never in DataLoader workers.
     """
 
     def __init__(
@@ -70,11 +108,9 @@ class CachedDataset(Dataset):
         commit_bytes: int = 64 << 20,
         commit_interval: float = 1.0,
         checksum: str = "once",
+        spot_check: int = 2,
     ) -> None:
-        self.dataset = dataset
-        self.path = os.path.abspath(os.fspath(path))
-        self.transform = transform
-        self._options = dict(
+        check_options(
             map_size=map_size,
             max_readers=max_readers,
             commit_every=commit_every,
@@ -82,7 +118,19 @@ class CachedDataset(Dataset):
             commit_interval=commit_interval,
             checksum=checksum,
         )
-        length = None if dataset is None else len(dataset)
+        if type(spot_check) is not int or spot_check < 0:
+            raise InvalidOptionError(f"spot_check must be an integer >= 0 (0 turns it off), not {spot_check!r}.")
+        if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint):
+            raise InvalidOptionError(
+                f"fingerprint must be a non-empty string (or None for the default), not {fingerprint!r}."
+            )
+        self.dataset = dataset
+        self.path = os.path.abspath(os.fspath(path))
+        self.transform = transform
+        self._options = dict(map_size=map_size, max_readers=max_readers)
+        self._policy = Policy(commit_every, commit_bytes, commit_interval)
+        self._always = checksum == "always"
+        length = None if dataset is None else _dataset_length(dataset)
         if dataset is not None and fingerprint is None:
             fingerprint = default_fingerprint(dataset)
         store = _registry.acquire(self.path, **self._options)
@@ -90,13 +138,16 @@ class CachedDataset(Dataset):
             meta = store.initialize(
                 length=length, fingerprint=fingerprint, overwrite=overwrite, create=dataset is not None
             )
+            self._store: Store | None = store
+            self._length: int = meta["length"]
+            self.fingerprint: str = meta["fingerprint"]
+            self._build: str = meta["cache_id"]
+            if dataset is not None and spot_check and not overwrite:
+                self._spot_check(store, spot_check)
         except BaseException:
+            self._store = None
             _registry.release(store)
             raise
-        self._store: Store | None = store
-        self._length: int = meta["length"]
-        self.fingerprint: str = meta["fingerprint"]
-        self._cache_id: str = meta["cache_id"]
 
     @classmethod
     def open(
@@ -117,9 +168,9 @@ class CachedDataset(Dataset):
         if not (type(index) is int and 0 <= index < self._length):
             index = self._index(index)
         store = self._store
-        if store is None or store.pid != _registry._pid:
-            store = self._attach()
-        sample = store.get(index)
+        if store is None or store.pid != _registry._pid or store.build is not self._build:
+            store = self._live_store()
+        sample = store.get(index, self._always)
         if sample is MISSING:
             sample = self._fill([index], store)[0]
         transform = self.transform
@@ -129,8 +180,8 @@ class CachedDataset(Dataset):
         """A whole batch in one read transaction, misses filled together (the DataLoader calls this)."""
         n = self._length
         indices = [i if type(i) is int and 0 <= i < n else self._index(i) for i in indices]
-        store = self._live_store()  # once per batch: __getitem__ inlines this check, per sample
-        samples = store.get_many(indices)
+        store = self._live_store()
+        samples = store.get_many(indices, self._always)
         misses = [k for k, sample in enumerate(samples) if sample is MISSING]
         if misses:
             filled = self._fill([indices[k] for k in misses], store)
@@ -151,12 +202,24 @@ class CachedDataset(Dataset):
             raise IndexError(f"index {index} is out of range for a dataset of length {n}")
         return i
 
-    def _attach(self) -> Store:
-        """This process's store: first use after unpickling (spawn), after a fork, or after close()."""
-        store = _registry.acquire(self.path, **self._options)
-        if store._cache_id is None:
-            store._cache_id = self._cache_id  # so opening checks the cache is still the one we validated
-        self._store = store
+    def _live_store(self) -> Store:
+        """This process's store, holding the build this dataset was opened on (else CacheMismatchError).
+
+        A new store is acquired on first use after unpickling (spawn), after a fork, or after
+        close(). The build ids are made the same object, so the per-sample check in
+        ``__getitem__`` is an identity test.
+        """
+        store = self._store
+        if store is None or not _registry.owns(store):
+            store = _registry.acquire(self.path, **self._options)
+            store.expect_build(self._build)  # opening checks the cache is still the build we validated
+            self._store = store
+        build = store.build
+        if build is not self._build:
+            if build is not None and build != self._build:
+                raise store.mismatch(self._build)
+            if build is not None:
+                self._build = build
         return store
 
     def _fill(self, indices: list[int], store: Store) -> list[Any]:
@@ -167,29 +230,55 @@ class CachedDataset(Dataset):
                 f"Index {indices[0]} is not in cache '{self.path}' and there is no source dataset to decode it from. "
                 "Build the cache completely first (`lmdbcache precompute`), or pass the source dataset."
             )
+        raws = self._read_source(indices)
+        out = []
+        for i, raw in zip(indices, raws):
+            value = encode(raw, i)
+            store.add(i, value, self._build, self._policy)
+            # Decoded from the bytes just stored: exactly what a later hit returns (same types,
+            # contiguous, writable). No data checksum: these bytes never left this process.
+            out.append(decode(value, i, verify_data=False))
+        return out
+
+    def _read_source(self, indices: list[int]) -> list[Any]:
+        source = self.dataset
         getitems = getattr(source, "__getitems__", None)
         if getitems is not None and len(indices) > 1:
             try:
-                raws = list(getitems(indices))
+                return list(getitems(indices))
             except Exception as exc:
                 _note(exc, f"lmdbcache: raised by the source dataset's __getitems__ for indices {indices}")
                 raise
-        else:
-            raws = []
-            for i in indices:
-                try:
-                    raws.append(source[i])
-                except Exception as exc:
-                    _note(exc, f"lmdbcache: raised by the source dataset reading index {i} (cache '{self.path}')")
-                    raise
-        out = []
-        for i, raw in zip(indices, raws):
-            value = encode(raw, where=f"index {i}")
-            store.add(i, value)
-            # Decoded from the bytes just stored: exactly what a later hit returns (same types,
-            # contiguous, writable). No checksum: these bytes never left this process.
-            out.append(decode(value, False))
-        return out
+        raws = []
+        for i in indices:
+            try:
+                raws.append(source[i])
+            except Exception as exc:
+                _note(exc, f"lmdbcache: raised by the source dataset reading index {i} (cache '{self.path}')")
+                raise
+        return raws
+
+    def _spot_check(self, store: Store, count: int) -> None:
+        """Re-decode ``count`` random cached indices and compare them with the cache (see ``spot_check``)."""
+        rng = random.Random()
+        starts = [rng.randrange(self._length) for _ in range(count)] if self._length else []
+        for index in store.cached_near(starts):
+            stored = store.raw(index)
+            if stored is None:
+                continue
+            fresh = encode(self._read_source([index])[0], index)
+            if fresh == stored:
+                continue
+            # Bytes can differ while samples are equal (a value written by an older format).
+            difference = first_difference(store.get(index, True), decode(fresh, index, verify_data=False))
+            if difference is not None:
+                raise CacheMismatchError(
+                    f"Cache '{self.path}' does not match its source dataset at index {index}: {difference}. The "
+                    f"cache was built from other data under the same fingerprint '{self.fingerprint}' (changed "
+                    "preprocessing, another subset or file list) or the dataset is not deterministic. Pass a "
+                    "fingerprint= that names what changed, or overwrite=True to rebuild; if the dataset applies "
+                    "random augmentation, move it to transform=. (spot_check=0 turns this check off.)"
+                )
 
     # ------------------------------------------------------------------ the cache
 
@@ -210,7 +299,7 @@ class CachedDataset(Dataset):
     def close(self) -> None:
         """Commit queued misses and release this process's handle (it reopens if used again)."""
         store, self._store = self._store, None
-        if store is not None and store.pid == _registry._pid:
+        if store is not None and _registry.owns(store):
             _registry.release(store)
 
     def __enter__(self) -> CachedDataset:
@@ -219,17 +308,11 @@ class CachedDataset(Dataset):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _live_store(self) -> Store:
-        store = self._store
-        if store is None or store.pid != _registry._pid:
-            store = self._attach()
-        return store
-
     # ------------------------------------------------------------------ pickling and attributes
 
     def __getstate__(self) -> dict[str, Any]:
         store = self._store
-        if store is not None and store.pid == _registry._pid:
+        if store is not None and _registry.owns(store) and store.build == self._build:
             store.flush()  # pickled for spawn workers: let them see what this process decoded
         state = self.__dict__.copy()
         state["_store"] = None  # configuration only: each process opens its own environment

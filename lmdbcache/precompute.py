@@ -9,19 +9,25 @@ of their shard the same way, and all write the one node-local cache.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
 from . import _registry
 from . import store as _store
+from ._commit import Policy
 from .codec import encode
-from .dataset import default_fingerprint
-from .errors import LmdbCacheError, NondeterministicDatasetError, SourceItemError
+from .dataset import _dataset_length, default_fingerprint
+from .errors import InvalidOptionError, LmdbCacheError, NondeterministicDatasetError, SourceItemError
+from .store import check_options
+
+# A commit per ~10 s of work is plenty here: big batches make few syncs.
+_COMMIT_INTERVAL = 10.0
 
 __all__ = ["NondeterministicDatasetError", "PrecomputeResult", "SourceItemError", "precompute", "shard_indices"]
 
@@ -74,7 +80,7 @@ class _Encoded(Dataset):
     def __getitem__(self, k: int) -> tuple[int, bytes | None, str | None]:
         index = self.indices[k]
         try:
-            return index, encode(self.dataset[index], where=f"index {index}"), None
+            return index, encode(self.dataset[index], index), None
         except Exception as exc:  # reported by the writer with its index; the run stops cleanly
             return index, None, f"{type(exc).__name__}: {exc}"
 
@@ -125,6 +131,15 @@ def precompute(
     is kept). Ctrl-C commits what was decoded and returns with ``interrupted=True``.
     """
     start = time.perf_counter()
+    _check_precompute_options(num_workers, batch_size, check_determinism, fingerprint)
+    check_options(
+        map_size=map_size,
+        max_readers=1,
+        commit_every=commit_every,
+        commit_bytes=commit_bytes,
+        commit_interval=_COMMIT_INTERVAL,
+        checksum="once",
+    )
     path = os.path.abspath(os.fspath(path))
     local = local if local is not None else torchrun_local()
     if overwrite and local is not None:
@@ -132,19 +147,23 @@ def precompute(
             "overwrite=True with several local ranks would wipe the cache once per rank. Delete the cache "
             "directory before launching, or run the rebuild as a single process."
         )
-    length = len(dataset)
+    length = _dataset_length(dataset)
     todo_range = shard_indices(length, shard, local)
     if num_workers is None:
         num_workers = max(1, (os.cpu_count() or 1) // (local[1] if local else 1))
     # commit_interval: a commit per ~second of work is plenty; big batches make few syncs.
     store = _registry.acquire(
-        path, map_size=map_size, commit_every=commit_every, commit_bytes=commit_bytes, commit_interval=10.0
+        path, map_size=map_size, commit_every=commit_every, commit_bytes=commit_bytes, commit_interval=_COMMIT_INTERVAL
     )
     try:
-        store.initialize(
+        meta = store.initialize(
             length=length,
             fingerprint=fingerprint if fingerprint is not None else default_fingerprint(dataset),
             overwrite=overwrite,
+        )
+        # Queued under this run's own commit policy and build (the store may be shared in-process).
+        add = functools.partial(
+            store.add, build=meta["cache_id"], policy=Policy(commit_every, commit_bytes, _COMMIT_INTERVAL)
         )
         todo = _not_cached(store, todo_range, length)
         skipped = len(todo_range) - len(todo)
@@ -153,7 +172,7 @@ def precompute(
             written += _check_determinism(dataset, todo, check_determinism, allow_nondeterministic, store)
             todo = todo[check_determinism:]
         try:
-            written += _write_all(dataset, todo, store, num_workers, batch_size, progress)
+            written += _write_all(dataset, todo, store, add, num_workers, batch_size, progress)
         except _Interrupted as stop:
             written += stop.written
             interrupted = True
@@ -162,6 +181,23 @@ def precompute(
         _registry.release(store)
     size = os.path.getsize(os.path.join(path, _store.DATA_FILE))
     return PrecomputeResult(path, written, skipped, time.perf_counter() - start, cached, length, size, interrupted)
+
+
+def _check_precompute_options(
+    num_workers: int | None, batch_size: int, check_determinism: int, fingerprint: str | None
+) -> None:
+    for name, value, low in (("batch_size", batch_size, 1), ("check_determinism", check_determinism, 0)):
+        if type(value) is not int or value < low:
+            raise InvalidOptionError(f"{name} must be an integer >= {low}, not {value!r}.")
+    if num_workers is not None and (type(num_workers) is not int or num_workers < 0):
+        raise InvalidOptionError(
+            f"num_workers must be an integer >= 0 (0 decodes in this process), or None for the CPU count, not "
+            f"{num_workers!r}."
+        )
+    if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint):
+        raise InvalidOptionError(
+            f"fingerprint must be a non-empty string (or None for the default), not {fingerprint!r}."
+        )
 
 
 def _not_cached(store: _store.Store, indices: range, length: int) -> list[int]:
@@ -194,7 +230,7 @@ def _check_determinism(dataset: Any, todo: list[int], count: int, allow: bool, s
 
 def _encode_source(dataset: Any, index: int) -> bytes:
     try:
-        return encode(dataset[index], where=f"index {index}")
+        return encode(dataset[index], index)
     except LmdbCacheError:
         raise
     except Exception as exc:
@@ -211,6 +247,7 @@ def _write_all(
     dataset: Any,
     todo: list[int],
     store: _store.Store,
+    add: Callable[[int, bytes], None],
     num_workers: int,
     batch_size: int,
     progress: bool | None,
@@ -241,7 +278,7 @@ def _write_all(
                         "samples decoded before it were kept; fix the dataset (or exclude the index) and rerun "
                         "to resume."
                     )
-                store.add(index, value)  # the store's committer thread writes batches in the background
+                add(index, value)  # the store's committer thread writes batches in the background
             bar.update(len(batch))
         store.flush()
         return store.written - written_before

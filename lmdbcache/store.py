@@ -33,11 +33,14 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import shutil
+import socket
 import struct
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -46,20 +49,23 @@ import lmdb
 import msgpack
 
 from . import _fs, codec
-from ._commit import CommitQueue
+from ._commit import CommitQueue, Policy
+from ._guard import MapGuard
 from ._version import FORMAT_VERSION, OLDEST_READABLE_FORMAT, __version__
 from .errors import (
     CacheFullError,
     CacheMismatchError,
     CorruptCacheError,
     CorruptSampleError,
+    InvalidOptionError,
     LmdbCacheError,
+    LmdbCacheWarning,
     NotACacheError,
     ReadersFullError,
     ReadOnlyCacheError,
 )
 
-__all__ = ["DATA_FILE", "MISSING", "Store"]
+__all__ = ["DATA_FILE", "MISSING", "Store", "check_options", "parse_size"]
 
 MISSING: Any = type("Missing", (), {"__repr__": lambda self: "MISSING"})()
 
@@ -72,6 +78,7 @@ _monotonic = time.monotonic
 _UNKEY = struct.Struct(">Q").unpack
 _MIN_DATA_FILE = 2 * 4096  # LMDB writes two meta pages before anything else
 _MIB = 1 << 20
+_MAX_MAP = 1 << 46  # 64 TiB: beyond what a 47-bit user address space can map
 _READER_MAX_AGE = 0.25  # seconds a kept read transaction may pin its snapshot
 # Every live process clears dead processes' reader slots this often (when it renews a read
 # transaction or commits), so a process that cannot even open the cache because the table
@@ -80,6 +87,66 @@ _READER_CHECK_INTERVAL = 5.0
 _OPEN_RETRIES = 30  # x 0.2 s
 # Per-index "verified" flags cost a byte per index; beyond this length every read is verified.
 _VERIFIED_MAX = 1 << 24
+# The metadata record's fields and their types (``format_version`` is checked first, apart).
+_META_FIELDS: dict[str, type] = {
+    "length": int,
+    "fingerprint": str,
+    "cache_id": str,
+    "created": str,
+    "library_version": str,
+}
+_REBUILD = (
+    "Rebuild it (overwrite=True, or `lmdbcache precompute --overwrite`), or copy it from a good replica "
+    "(`lmdbcache copy`)."
+)
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2, "G": 1000**3, "GB": 1000**3,
+               "T": 1000**4, "TB": 1000**4, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}  # fmt: skip
+
+
+def parse_size(value: Any, name: str = "map_size") -> int:
+    """A byte count from an int or a string such as ``"64MiB"``, ``"1GB"``, ``"512 M"``; InvalidOptionError if not."""
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", value)
+        unit = match.group(2).upper() if match else None
+        if match is None or unit not in _SIZE_UNITS:
+            raise InvalidOptionError(
+                f"{name}={value!r} is not a size: pass bytes as an int, or a string such as '64MiB', '1GB' or '512M'."
+            )
+        value = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if type(value) is not int or value <= 0:
+        raise InvalidOptionError(
+            f"{name} must be a positive number of bytes (or a string such as '1GiB'), not {value!r}."
+        )
+    return value
+
+
+def check_options(
+    *,
+    map_size: Any,
+    max_readers: Any,
+    commit_every: Any,
+    commit_bytes: Any,
+    commit_interval: Any,
+    checksum: Any,
+) -> None:
+    """Refuse out-of-range options with one clear error each (before anything is opened)."""
+    parse_size(map_size)
+    for name, value in (("max_readers", max_readers), ("commit_every", commit_every)):
+        if type(value) is not int or value < 1:
+            raise InvalidOptionError(f"{name} must be an integer >= 1, not {value!r}.")
+    if max_readers > 1 << 20:
+        raise InvalidOptionError(f"max_readers must be at most {1 << 20}, not {max_readers}.")
+    parse_size(commit_bytes, "commit_bytes")
+    if (
+        isinstance(commit_interval, bool)
+        or not isinstance(commit_interval, (int, float))
+        or not (0 < commit_interval < float("inf"))
+    ):
+        raise InvalidOptionError(f"commit_interval must be a number of seconds > 0, not {commit_interval!r}.")
+    if checksum not in ("once", "always"):
+        raise InvalidOptionError(f"checksum must be 'once' or 'always', not {checksum!r}.")
 
 
 class Store:
@@ -101,8 +168,8 @@ class Store:
         checksum: str = "once",
     ) -> None:
         self.path = path
-        self.checksum = checksum
-        self.map_size = int(map_size)
+        self.checksum = checksum  # the default for reads that do not say (tools)
+        self.map_size = min(parse_size(map_size), _MAX_MAP)
         self.max_readers = int(max_readers)
         self.pid = 0  # the process this store belongs to (set by _registry.acquire)
         self.readonly = False
@@ -112,23 +179,49 @@ class Store:
         self._samples: Any = None
         self._meta_db: Any = None
         self._file_lock: filelock.BaseFileLock | None = None
-        self._cache_id: str | None = None  # the build this process checked; writes verify it
-        self._queue = CommitQueue(
-            self._lock,
-            self._write_batch,
-            commit_every=commit_every,
-            commit_bytes=commit_bytes,
-            commit_interval=commit_interval,
-        )
+        # The build id (``cache_id``) this process adopted and checked; a rebuild gives the cache a
+        # new one. Reads and writes verify it. A plain attribute: datasets compare it per sample.
+        self.build: str | None = None
+        self._queue = CommitQueue(self._lock, self._write_batch, Policy(commit_every, commit_bytes, commit_interval))
         self._meta: dict[str, Any] | None = None
+        self._meta_raw: bytes = b""  # the metadata record as adopted: a rebuild changes it
+        # Why this process may no longer use the build it adopted (set when a rebuild is seen).
+        self._stale: str | None = None
         # A read transaction kept open between hits (see _reader) and when it goes stale.
         self._rtxn: lmdb.Transaction | None = None
         self._rtxn_expires = 0.0
-        # Byte i set: this process has verified index i's checksums (checksum="once"). A byte
+        # Byte i set: this process has verified index i's data checksum (checksum="once"). A byte
         # rather than a bit per index: N bytes per process is small, and the test is cheaper.
         self._verified: bytearray | None = None
         self._locked = True  # False on a read-only mount opened without LMDB's lock table
         self._last_reader_check = 0.0
+        self._guard: MapGuard | None = None
+
+    def reconcile(self, map_size: int, max_readers: int) -> None:
+        """Another object asks for this open store with its own per-environment options.
+
+        A larger map is honoured (the map is grown now); a different reader table cannot be
+        (LMDB fixes it when the first process opens the environment), which is a warning.
+        """
+        if max_readers != self.max_readers:
+            warnings.warn(
+                f"Cache '{self.path}' is already open in this process with max_readers={self.max_readers}; "
+                f"max_readers={max_readers} cannot take effect (LMDB sizes the reader table when the first "
+                "process opens the cache). Pass the same value to every CachedDataset on this path.",
+                LmdbCacheWarning,
+                stacklevel=4,
+            )
+        map_size = min(parse_size(map_size), _MAX_MAP)
+        if map_size > self.map_size:
+            with self._lock:
+                self.map_size = map_size
+                env = self._env
+                if env is not None and env.info()["map_size"] < map_size:
+                    self._drop_reader()
+                    try:
+                        env.set_mapsize(map_size)
+                    except lmdb.Error as exc:
+                        raise _translate(exc, self.path, "growing the map of") from exc
 
     def __repr__(self) -> str:
         state = "open" if self._env is not None else "closed"
@@ -158,14 +251,16 @@ class Store:
             self._queue.drain()
             self._close_env()  # another dataset in this process may have it open: start clean
             try:
-                meta = self._initialize(length, fingerprint, overwrite, create)
+                meta, raw = self._initialize(length, fingerprint, overwrite, create)
             except BaseException:
                 self._close_env()
                 raise
-            self._adopt(meta)
+            self._adopt(meta, raw)
             return meta
 
-    def _initialize(self, length: int | None, fingerprint: str | None, overwrite: bool, create: bool) -> dict:
+    def _initialize(
+        self, length: int | None, fingerprint: str | None, overwrite: bool, create: bool
+    ) -> tuple[dict[str, Any], bytes]:
         path = self.path
         if os.path.exists(path) and not os.path.isdir(path):
             raise NotACacheError(
@@ -193,12 +288,12 @@ class Store:
                 )
             self._check_data_file(overwrite=False)
             env = self._open_env(readonly=True)
-            meta = self._read_meta(env)
-            if meta is None:
+            found = self._read_meta(env)
+            if found is None:
                 raise NotACacheError(
                     f"'{path}' holds an LMDB environment that lmdbcache did not create (it has no metadata)."
                 )
-            return self._check_meta(meta, length, fingerprint)
+            return self._check_meta(found[0], length, fingerprint), found[1]
 
         self._check_dir(overwrite)  # before the lock file is created: refuse without touching anything
         with self._write_lock():
@@ -207,19 +302,25 @@ class Store:
                 _remove_lmdb_files(path)
             try:
                 env = self._open_env(readonly=False)
-                meta = self._read_meta(env)
-            except (CorruptCacheError, NotACacheError):
+                found = self._read_meta(env)
+            except (CorruptCacheError, NotACacheError, CacheMismatchError):
                 if not overwrite:
                     raise
                 self._close_env()
                 _remove_lmdb_files(path)
                 env = self._open_env(readonly=False)
-                meta = None
-            if meta is None or overwrite:
+                found = None
+            if found is None or overwrite:
                 if length is None:
-                    raise NotACacheError(f"There is no lmdbcache cache at '{path}' to open without a dataset.")
+                    raise NotACacheError(
+                        f"There is no lmdbcache cache at '{path}' to open without a dataset. Build it first "
+                        "(`lmdbcache precompute`, or CachedDataset with the source dataset)."
+                    )
                 return self._write_meta(env, length, fingerprint or "")
-            return self._check_meta(meta, length, fingerprint)
+            meta = self._check_meta(found[0], length, fingerprint)
+            if length is not None and meta["format_version"] < FORMAT_VERSION:
+                return self._upgrade_meta(env, meta)  # this process may add values: they are this format's
+            return found
 
     def _check_dir(self, overwrite: bool) -> None:
         """Refuse a directory holding other files and no cache, unless asked to create one beside them."""
@@ -297,8 +398,6 @@ class Store:
                 f"'{path}/{DATA_FILE}' is not an LMDB file ({exc}). Delete the directory, or pass overwrite=True "
                 "to replace it."
             ) from exc
-        except (lmdb.VersionMismatchError, lmdb.CorruptedError, lmdb.PanicError) as exc:
-            raise CorruptCacheError(f"Cannot open cache '{path}': {exc}. Delete it, or pass overwrite=True.") from exc
         except lmdb.ReadersFullError:
             raise self._readers_full() from None
         except lmdb.Error as exc:
@@ -324,11 +423,15 @@ class Store:
             if not readonly:
                 env.reader_check()  # reclaim the reader slots of processes that died
                 self._last_reader_check = time.monotonic()
+        except lmdb.Error as exc:
+            env.close()
+            raise _translate(exc, path, "opening") from exc
         except BaseException:
             env.close()
             raise
         self._env = env
         self.readonly = readonly
+        self._guard = MapGuard(os.path.join(path, DATA_FILE), env.stat()["psize"])
         return env
 
     def _env_or_open(self) -> lmdb.Environment:
@@ -336,73 +439,181 @@ class Store:
         env = self._env
         if env is not None:
             return env
+        if self._stale is not None:
+            raise CacheMismatchError(self._stale)
         readonly = not _fs.writable(self.path)
         if not readonly:
             self._check_data_file(overwrite=False)
         env = self._open_env(readonly=readonly)
-        meta = self._read_meta(env)
-        if meta is None or (self._cache_id is not None and meta.get("cache_id") != self._cache_id):
+        try:
+            found = self._read_meta(env)
+            if found is None:
+                raise CacheMismatchError(
+                    f"Cache '{self.path}' was emptied or replaced by another process since this dataset opened it "
+                    "(it has no metadata now). Create the dataset again."
+                )
+            meta, raw = found
+            if self.build is not None and meta["cache_id"] != self.build:
+                raise CacheMismatchError(self._rebuilt_message(meta))
+        except BaseException:
             self._close_env()
-            raise CacheMismatchError(
-                f"Cache '{self.path}' was rebuilt or replaced by another process since this dataset was created. "
-                "Create the dataset again."
-            )
-        self._adopt(meta)
+            raise
+        self._adopt(meta, raw)
         return env
 
-    def _adopt(self, meta: dict[str, Any]) -> None:
-        self._meta, self._cache_id = meta, meta["cache_id"]
+    def expect_build(self, build: str) -> None:
+        """Open (lazily) only the build ``build``: a dataset unpickled in a worker checks its cache is the same."""
+        with self._lock:
+            if self.build is None:
+                self.build = build
+
+    def _adopt(self, meta: dict[str, Any], raw: bytes) -> None:
+        if meta["cache_id"] != self.build:
+            self._verified = None  # flags of another build's values
+        self._meta, self._meta_raw, self.build, self._stale = meta, raw, meta["cache_id"], None
         length = meta["length"]
         verified = self._verified
-        if self.checksum == "once" and length <= _VERIFIED_MAX and (verified is None or len(verified) < length):
+        if length <= _VERIFIED_MAX and (verified is None or len(verified) < length):
             self._verified = bytearray(length)
 
-    def _read_meta(self, env: lmdb.Environment) -> dict[str, Any] | None:
-        with self._begin(env) as txn:
-            raw = txn.get(_META_KEY, db=self._meta_db)
-            if raw is None:
-                if txn.stat(self._samples)["entries"]:
-                    raise NotACacheError(
-                        f"Cache '{self.path}' has samples but no metadata; it was not written by lmdbcache."
-                    )
-                return None
+    def _check_build(self, txn: lmdb.Transaction) -> None:
+        """Raise if another process rebuilt the cache since this one adopted its build.
+
+        Runs once per read transaction (not per sample): one small get and a byte compare.
+        """
+        raw = txn.get(_META_KEY, db=self._meta_db)
+        if raw is not None and raw == self._meta_raw:
+            return
+        meta = None
+        if raw is not None:
             try:
-                meta = msgpack.unpackb(raw)
-            except Exception as exc:
-                raise CorruptCacheError(f"Cache '{self.path}' has unreadable metadata ({exc}).") from exc
+                meta = self._validate_meta(msgpack.unpackb(raw))
+            except Exception:  # damaged or hostile metadata: treated as another build
+                meta = None
+        if raw is not None and meta is not None and meta["cache_id"] == self.build:
+            self._meta, self._meta_raw = meta, bytes(raw)  # same build, metadata upgraded in place
+            return
+        self._stale = self._rebuilt_message(meta)
+        self._queue.forget()  # samples of the old build must not reach the new one
+        raise CacheMismatchError(self._stale)
+
+    def _rebuilt_message(self, meta: dict[str, Any] | None) -> str:
+        if meta is None:
+            now = "it no longer holds valid metadata"
+        else:
+            builder = meta.get("builder")
+            now = (
+                f"it now holds a new build for fingerprint '{meta['fingerprint']}' (length {meta['length']}), "
+                f"created {meta['created']}" + (f" by {builder}" if isinstance(builder, str) else "")
+            )
+        return (
+            f"Cache '{self.path}' was rebuilt (overwrite=True) after this process opened it: {now}. Samples of the "
+            "build this dataset was opened on are gone; nothing is read from or written to the new build through "
+            "it. Create the dataset again to use the new build."
+        )
+
+    def mismatch(self, build: str) -> CacheMismatchError:
+        """The error for a dataset opened on ``build`` when this store now holds another build."""
+        meta = self._meta
+        return CacheMismatchError(
+            self._stale
+            if self._stale is not None
+            else self._rebuilt_message(meta).replace(
+                "after this process opened it", "in this process since this dataset opened it"
+            )
+        )
+
+    def _read_meta(self, env: lmdb.Environment) -> tuple[dict[str, Any], bytes] | None:
+        """The validated metadata record and its bytes, or None for an empty environment."""
+        with self._begin(env) as txn:
+            try:
+                raw = txn.get(_META_KEY, db=self._meta_db)
+                if raw is None:
+                    if txn.stat(self._samples)["entries"]:
+                        raise NotACacheError(
+                            f"Cache '{self.path}' has samples but no metadata; it was not written by lmdbcache."
+                        )
+                    return None
+                raw = bytes(raw)
+            except lmdb.Error as exc:
+                raise _translate(exc, self.path, "reading the metadata of") from exc
+        try:
+            meta = msgpack.unpackb(raw, strict_map_key=False)
+        except Exception as exc:
+            raise CorruptCacheError(
+                f"Cache '{self.path}' has unreadable metadata ({type(exc).__name__}: {exc}). {_REBUILD}"
+            ) from None
+        return self._validate_meta(meta), raw
+
+    def _validate_meta(self, meta: Any) -> dict[str, Any]:
+        """Check the metadata record's fields before anything uses them (a cache file is untrusted input)."""
         if not isinstance(meta, dict) or "format_version" not in meta:
             raise NotACacheError(f"'{self.path}' holds an LMDB environment whose metadata is not lmdbcache's.")
-        return meta
-
-    def _write_meta(self, env: lmdb.Environment, length: int, fingerprint: str) -> dict[str, Any]:
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "length": int(length),
-            "fingerprint": fingerprint,
-            "codec": codec.CODEC,
-            "library_version": __version__,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "cache_id": uuid.uuid4().hex,
-        }
-        with env.begin(write=True) as txn:
-            txn.drop(self._samples, delete=False)
-            txn.put(_META_KEY, msgpack.packb(meta), db=self._meta_db)
-        return meta
-
-    def _check_meta(self, meta: dict[str, Any], length: int | None, fingerprint: str | None) -> dict[str, Any]:
+        stored = meta["format_version"]
         fix = f"Delete '{self.path}', use another path, or pass overwrite=True to rebuild it."
-        stored = meta.get("format_version")
-        if isinstance(stored, int) and stored < OLDEST_READABLE_FORMAT:
+        if type(stored) is not int:
+            raise CorruptCacheError(
+                f"Cache '{self.path}' has damaged metadata: field 'format_version' is {stored!r}, not an integer. "
+                f"{_REBUILD}"
+            )
+        if stored < OLDEST_READABLE_FORMAT:
             raise CacheMismatchError(
                 f"Cache '{self.path}' was written in format {stored}, older than this lmdbcache {__version__} reads "
                 f"(formats {OLDEST_READABLE_FORMAT} to {FORMAT_VERSION}). {fix}"
             )
-        if not isinstance(stored, int) or stored > FORMAT_VERSION:
+        if stored > FORMAT_VERSION:
             raise CacheMismatchError(
-                f"Cache '{self.path}' was written in format {stored} by lmdbcache {meta.get('library_version')}; "
-                f"this lmdbcache {__version__} reads formats up to {FORMAT_VERSION}. Upgrade lmdbcache, or "
-                f"{fix[0].lower()}{fix[1:]}"
+                f"Cache '{self.path}' was written by lmdbcache format {stored} (lmdbcache "
+                f"{meta.get('library_version')}); this is lmdbcache {__version__}, which reads formats "
+                f"{OLDEST_READABLE_FORMAT} to {FORMAT_VERSION}: upgrade lmdbcache, or {fix[0].lower()}{fix[1:]}"
             )
+        for field, kind in _META_FIELDS.items():
+            if field not in meta:
+                raise CorruptCacheError(
+                    f"Cache '{self.path}' has damaged metadata: field '{field}' is missing. {_REBUILD}"
+                )
+            value = meta[field]
+            if type(value) is not kind or (type(value) is int and value < 0) or (field == "cache_id" and not value):
+                expected = (
+                    "an integer >= 0" if kind is int else "a non-empty string" if field == "cache_id" else "a string"
+                )
+                raise CorruptCacheError(
+                    f"Cache '{self.path}' has damaged metadata: field '{field}' is {value!r:.80}, expected {expected}. "
+                    f"{_REBUILD}"
+                )
+        return meta
+
+    def _write_meta(self, env: lmdb.Environment, length: int, fingerprint: str) -> tuple[dict[str, Any], bytes]:
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "length": int(length),
+            "fingerprint": fingerprint,
+            "library_version": __version__,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cache_id": uuid.uuid4().hex,
+            "builder": f"pid {os.getpid()} on {socket.gethostname()}",
+        }
+        raw = msgpack.packb(meta)
+        with env.begin(write=True) as txn:
+            txn.drop(self._samples, delete=False)
+            txn.put(_META_KEY, raw, db=self._meta_db)
+        return meta, raw
+
+    def _upgrade_meta(self, env: lmdb.Environment, meta: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        """Mark an older-format cache as this format before this process adds values to it.
+
+        Values of older formats stay readable (the codec reads each by its own version byte);
+        the build id is kept, so processes reading it are not told it was rebuilt.
+        """
+        meta = {k: v for k, v in meta.items() if k != "codec"}
+        meta["upgraded_from"], meta["format_version"] = meta["format_version"], FORMAT_VERSION
+        raw = msgpack.packb(meta)
+        with env.begin(write=True) as txn:
+            txn.put(_META_KEY, raw, db=self._meta_db)
+        return meta, raw
+
+    def _check_meta(self, meta: dict[str, Any], length: int | None, fingerprint: str | None) -> dict[str, Any]:
+        fix = f"Delete '{self.path}', use another path, or pass overwrite=True to rebuild it."
         if length is not None and meta["length"] != length:
             raise CacheMismatchError(
                 f"Cache '{self.path}' was built for a dataset of length {meta['length']} but the dataset has length "
@@ -440,7 +651,8 @@ class Store:
 
         Reusing it saves a begin/abort per sample. It is dropped on any miss (its snapshot
         may predate another process's commit, and while filling it would only pin pages
-        that writers want to reuse) and renewed after _READER_MAX_AGE seconds.
+        that writers want to reuse) and renewed after _READER_MAX_AGE seconds. Each new
+        transaction first checks the cache was not rebuilt since this process adopted it.
         """
         txn = self._rtxn
         if txn is not None:
@@ -449,8 +661,23 @@ class Store:
             self._drop_reader()
         env = self._env or self._env_or_open()
         self._maybe_reader_check(env)
-        txn = self._begin(env, db=self._samples)
+        txn = self._begin_checked(env, db=self._samples)
         self._rtxn, self._rtxn_expires = txn, time.monotonic() + _READER_MAX_AGE
+        return txn
+
+    def _begin_checked(self, env: lmdb.Environment, db: Any = None) -> lmdb.Transaction:
+        """A read transaction on the build this process adopted (else CacheMismatchError)."""
+        if self._stale is not None:
+            raise CacheMismatchError(self._stale)
+        txn = self._begin(env, db=db)
+        try:
+            self._check_build(txn)
+        except lmdb.Error as exc:
+            txn.abort()
+            raise _translate(exc, self.path, "reading") from exc
+        except BaseException:
+            txn.abort()
+            raise
         return txn
 
     def _maybe_reader_check(self, env: lmdb.Environment) -> None:
@@ -458,7 +685,10 @@ class Store:
         now = time.monotonic()
         if self._locked and now - self._last_reader_check >= _READER_CHECK_INTERVAL:
             self._last_reader_check = now
-            env.reader_check()
+            try:
+                env.reader_check()
+            except lmdb.Error as exc:
+                raise _translate(exc, self.path, "clearing stale readers of") from exc
 
     def _drop_reader(self) -> None:
         txn, self._rtxn = self._rtxn, None
@@ -473,61 +703,126 @@ class Store:
             "open a cache sizes its reader table)."
         )
 
-    def get(self, index: int) -> Any:
-        """The decoded sample at ``index``, or ``MISSING``. The hot path: kept flat."""
+    def get(self, index: int, always: bool = False) -> Any:
+        """The decoded sample at ``index``, or ``MISSING``. The hot path: kept flat.
+
+        The value's structure (and its binding to ``index``) is checked on every read; its
+        record's bounds (``_guard``) and data checksum the first time this process reads the
+        index, or every time if ``always``.
+        """
         lock = self._lock
         lock.acquire()  # not `with`: half the cost, and this runs once per sample
         try:
             txn = self._rtxn
             if txn is None or _monotonic() >= self._rtxn_expires:
                 txn = self._reader()
-            raw = txn.get(_KEY(index))
-            if raw is None:
-                return self._get_fresh([index])[0]
             verified = self._verified
-            if verified is not None and index < len(verified) and verified[index]:
+            if not always and verified is not None and index < len(verified) and verified[index]:
                 try:
-                    return _decode(raw, False)
-                except CorruptSampleError as exc:
-                    raise self._corrupt(index, exc) from None
-            return self._decode(raw, index)
+                    raw = txn.get(_KEY(index))
+                except lmdb.Error as exc:
+                    raise self._read_failure(exc, index) from exc
+                if raw is not None:
+                    try:
+                        return _decode(raw, index, verify_data=False)
+                    except CorruptSampleError as exc:
+                        raise self._corrupt(index, exc) from None
+            else:
+                raw = self._fetch(txn, index)
+            if raw is None:
+                return self._get_fresh([index], always)[0]
+            return self._decode(raw, index, always)
         finally:
             lock.release()
 
-    def get_many(self, indices: list[int]) -> list[Any]:
+    def _fetch(self, txn: lmdb.Transaction, index: int) -> Any:
+        """The stored value of ``index`` (a view into the map) or None, its record bounds-checked first."""
+        key = _KEY(index)
+        try:
+            guard = self._guard
+            if guard is None or not guard.start:
+                return txn.get(key, db=self._samples)
+            cursor = txn.cursor(db=self._samples)
+            if not cursor.set_key(key):
+                return None
+            problem = guard.problem(cursor.key())
+            if problem is not None:
+                raise CorruptCacheError(
+                    f"Cache '{self.path}' is damaged: the record of index {index} is broken ({problem}); it was not "
+                    f"read. {_REBUILD}"
+                )
+            return cursor.value()
+        except lmdb.Error as exc:
+            raise self._read_failure(exc, index) from exc
+
+    def get_many(self, indices: list[int], always: bool = False) -> list[Any]:
         """Decode a batch in one read transaction; misses come back as ``MISSING``."""
         with self._lock:
-            get, decode = self._reader().get, self._decode
+            txn = self._reader()
+            get, decode, fetch, verified = txn.get, self._decode, self._fetch, self._verified
             out = []
             for index in indices:
-                raw = get(_KEY(index))
-                out.append(MISSING if raw is None else decode(raw, index))
+                if not always and verified is not None and index < len(verified) and verified[index]:
+                    try:
+                        raw = get(_KEY(index))
+                    except lmdb.Error as exc:
+                        raise self._read_failure(exc, index) from exc
+                else:
+                    raw = fetch(txn, index)
+                out.append(MISSING if raw is None else decode(raw, index, always))
             misses = [k for k, sample in enumerate(out) if sample is MISSING]
             if misses:
-                for k, sample in zip(misses, self._get_fresh([indices[k] for k in misses])):
+                for k, sample in zip(misses, self._get_fresh([indices[k] for k in misses], always)):
                     out[k] = sample
         return out
 
-    def _get_fresh(self, indices: list[int]) -> list[Any]:
+    def _get_fresh(self, indices: list[int], always: bool) -> list[Any]:
         """Look misses up again in a new snapshot, then in this process's queue. Holds self._lock."""
         self._drop_reader()
         out = []
-        with self._begin(self._env or self._env_or_open()) as txn:
+        with self._begin_checked(self._env or self._env_or_open()) as txn:
             for index in indices:
-                raw = txn.get(_KEY(index), db=self._samples)
+                raw = self._fetch(txn, index)
                 if raw is None:
                     raw = self._queue.lookup(index)
-                out.append(MISSING if raw is None else self._decode(raw, index))
+                out.append(MISSING if raw is None else self._decode(raw, index, always))
         return out
 
-    def _decode(self, raw: Any, index: int) -> Any:
+    def raw(self, index: int) -> bytes | None:
+        """The stored value of ``index`` as bytes (committed or queued here), or None."""
+        with self._lock:
+            self._drop_reader()
+            with self._begin_checked(self._env or self._env_or_open(), db=self._samples) as txn:
+                raw = self._fetch(txn, index)
+                if raw is None:
+                    return self._queue.lookup(index)
+                return bytes(raw)
+
+    def cached_near(self, starts: Iterable[int]) -> list[int]:
+        """For each start, the first cached index at or after it (wrapping around), without duplicates."""
+        found: list[int] = []
+        with self._lock:
+            self._drop_reader()
+            with self._begin_checked(self._env or self._env_or_open(), db=self._samples) as txn:
+                try:
+                    cursor = txn.cursor()
+                    for start in starts:
+                        if cursor.set_range(_KEY(start)) or cursor.first():
+                            key = cursor.key()
+                            if len(key) == 8 and _UNKEY(key)[0] not in found:
+                                found.append(_UNKEY(key)[0])
+                except lmdb.Error as exc:
+                    raise _translate(exc, self.path, "reading") from exc
+        return found
+
+    def _decode(self, raw: Any, index: int, always: bool = False) -> Any:
         verified = self._verified
         try:
-            if verified is None or index >= len(verified):
-                return codec.decode(raw)
+            if always or verified is None or index >= len(verified):
+                return _decode(raw, index)
             if verified[index]:
-                return codec.decode(raw, False)
-            sample = codec.decode(raw)
+                return _decode(raw, index, verify_data=False)
+            sample = _decode(raw, index)
             verified[index] = 1
             return sample
         except CorruptSampleError as exc:
@@ -540,10 +835,17 @@ class Store:
             "from the source on the next read)."
         )
 
+    def _read_failure(self, exc: lmdb.Error, index: int) -> LmdbCacheError:
+        self._drop_reader()  # a transaction that failed is not reused
+        return _translate(exc, self.path, f"reading index {index} of")
+
     def env_info(self) -> dict[str, Any]:
         """LMDB's ``Environment.info()`` (map size, last page, readers) for this cache."""
         with self._lock:
-            return dict((self._env or self._env_or_open()).info())
+            try:
+                return dict((self._env or self._env_or_open()).info())
+            except lmdb.Error as exc:
+                raise _translate(exc, self.path, "inspecting") from exc
 
     def copy_to(self, path: str) -> None:
         """LMDB's compacting copy of one consistent snapshot into the empty directory ``path``."""
@@ -556,8 +858,18 @@ class Store:
     def count(self) -> int:
         """Committed samples, after committing this process's queue."""
         self.flush()
-        with self._lock, self._begin(self._env or self._env_or_open()) as txn:
-            return txn.stat(self._samples)["entries"]
+        with self._lock, self._begin_checked(self._env or self._env_or_open()) as txn:
+            try:
+                entries = int(txn.stat(self._samples)["entries"])
+            except lmdb.Error as exc:
+                raise _translate(exc, self.path, "counting the samples of") from exc
+        assert self._meta is not None
+        if entries > self._meta["length"]:
+            raise CorruptCacheError(
+                f"Cache '{self.path}' is damaged: LMDB counts {entries:,} samples in a cache of length "
+                f"{self._meta['length']:,}. {_REBUILD}"
+            )
+        return entries
 
     def meta(self) -> dict[str, Any]:
         with self._lock:
@@ -578,32 +890,55 @@ class Store:
         key = _KEY(start)
         while True:
             batch: list[tuple[int, Any]] = []
-            with self._lock, self._begin(self._env or self._env_or_open()) as txn:
-                cursor = txn.cursor(db=self._samples)
-                if cursor.set_range(key):
-                    records = cursor.iternext() if values else ((k, None) for k in cursor.iternext(values=False))
-                    for k, v in records:
+            with self._lock, self._begin_checked(self._env or self._env_or_open()) as txn:
+                try:
+                    cursor = txn.cursor(db=self._samples)
+                    for k in cursor.iternext(values=False) if cursor.set_range(key) else ():
                         if len(k) != 8:
-                            raise CorruptCacheError(f"Cache '{self.path}' holds a key of {len(k)} bytes: {bytes(k)!r}")
-                        batch.append((_UNKEY(k)[0], None if v is None else bytes(v)))
+                            raise CorruptCacheError(
+                                f"Cache '{self.path}' is damaged: it holds a key of {len(k)} bytes "
+                                f"({bytes(k)[:16]!r}), not an 8-byte index. {_REBUILD}"
+                            )
+                        index = _UNKEY(k)[0]
+                        value = None
+                        if values:
+                            # Checked before the value is touched (see _guard), then copied out.
+                            problem = self._guard.problem(k) if self._guard is not None else None
+                            if problem is not None:
+                                raise CorruptCacheError(
+                                    f"Cache '{self.path}' is damaged: the record of index {index} is broken "
+                                    f"({problem}). {_REBUILD}"
+                                )
+                            value = bytes(cursor.value())
+                        batch.append((index, value))
                         if len(batch) == chunk:
                             break
+                except lmdb.Error as exc:
+                    raise _translate(exc, self.path, f"scanning (near index {_UNKEY(key)[0]})") from exc
             yield from batch
-            if len(batch) < chunk:
+            if len(batch) < chunk or batch[-1][0] == 2**64 - 1:
                 return
             key = _KEY(batch[-1][0] + 1)
 
     # ------------------------------------------------------------------ writing
 
-    def add(self, index: int, value: bytes) -> None:
-        """Queue one encoded sample; the committer thread writes it (see ``_commit``)."""
+    def add(self, index: int, value: bytes, build: str | None = None, policy: Policy | None = None) -> None:
+        """Queue one encoded sample for the build ``build``; the committer thread writes it (see ``_commit``).
+
+        ``build`` (the dataset's build id) guards against a rebuild in between: a sample of a
+        build this store no longer holds is refused, never written into the new one.
+        """
         with self._lock:
+            if build is not None and build != self.build:
+                raise self.mismatch(build)
+            if self._stale is not None:
+                raise CacheMismatchError(self._stale)
             if self.readonly or (self._env is None and not _fs.writable(self.path)):
                 raise ReadOnlyCacheError(
                     f"Cache '{self.path}' is read-only (read-only directory or mount) and index {index} is not "
                     "cached. Open the cache without a dataset, or copy it to a writable location to fill it."
                 )
-            self._queue.add(index, value)
+            self._queue.add(index, value, policy)
 
     def flush(self) -> int:
         """Commit this process's queued samples and wait for them; return how many were queued."""
@@ -671,8 +1006,13 @@ class Store:
 
     def _check_cache_id(self, txn: lmdb.Transaction) -> None:
         raw = txn.get(_META_KEY, db=self._meta_db)
-        stored = msgpack.unpackb(raw).get("cache_id") if raw is not None else None
-        if stored != self._cache_id:
+        if raw is not None and raw == self._meta_raw:
+            return
+        try:
+            stored = self._validate_meta(msgpack.unpackb(raw))["cache_id"] if raw is not None else None
+        except Exception:  # damaged or hostile metadata: not our build
+            stored = None
+        if stored != self.build:
             raise CacheMismatchError(
                 f"Cache '{self.path}' was rebuilt by another process (overwrite=True) while this one was filling "
                 "it; its queued samples were dropped. Create the dataset again."
@@ -709,11 +1049,12 @@ class Store:
             self._queue.stop()
         except Exception:
             pass  # the samples stay queued in the parent; the error resurfaces on its next commit
-        self._close_env()
+        finally:
+            self._close_env()
 
     def after_fork(self, in_child: bool) -> None:
         if in_child:
-            self._queue.forget()  # the parent's samples; its committer thread does not exist here
+            self._queue.reset_in_child()  # the parent's samples; its committer thread does not exist here
         self._lock.release()
 
     def _close_env(self) -> None:
@@ -731,8 +1072,12 @@ class Store:
         """Delete the given indices (used by ``verify --repair``); returns how many existed."""
         with self._lock:
             env = self._env or self._env_or_open()
-            with self._write_lock(), env.begin(write=True) as txn:
-                return sum(txn.delete(_KEY(k), db=self._samples) for k in keys)
+            try:
+                with self._write_lock(), env.begin(write=True) as txn:
+                    self._check_cache_id(txn)
+                    return sum(txn.delete(_KEY(k), db=self._samples) for k in keys)
+            except lmdb.Error as exc:
+                raise _write_failure(exc, self.path, "nothing was deleted") from exc
 
 
 # ---------------------------------------------------------------------- helpers
@@ -760,11 +1105,37 @@ def _write_failure(exc: lmdb.Error, path: str, lost: str) -> LmdbCacheError:
     return _translate(exc, path, "writing")
 
 
+# The one table that turns LMDB's errors into the library's: (LMDB classes, our class, what it means).
+# Errors that only a damaged file produces (a page number past the end, a B-tree deeper than
+# LMDB's cursor stack, a transaction LMDB gave up on after such an error) all mean "damaged".
+_LMDB_ERRORS: list[tuple[tuple[type[lmdb.Error], ...], type[LmdbCacheError], str]] = [
+    (
+        (
+            lmdb.CorruptedError,
+            lmdb.PageNotFoundError,
+            lmdb.PanicError,
+            lmdb.InvalidError,
+            lmdb.BadTxnError,
+            lmdb.CursorFullError,
+            lmdb.BadRslotError,
+            lmdb.BadValsizeError,
+            lmdb.PageFullError,
+            lmdb.IncompatibleError,
+            lmdb.VersionMismatchError,
+        ),
+        CorruptCacheError,
+        "is damaged",
+    ),
+    ((lmdb.ReadonlyError,), ReadOnlyCacheError, "is read-only"),
+    ((lmdb.ReadersFullError,), ReadersFullError, "has no free reader slot"),
+    ((lmdb.DiskError,), CorruptCacheError, "met a disk I/O error"),
+]
+
+
 def _translate(exc: lmdb.Error, path: str, action: str) -> LmdbCacheError:
-    if isinstance(exc, (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.InvalidError)):
-        return CorruptCacheError(
-            f"Cache '{path}' is damaged ({exc}) while {action}. Delete it, or pass overwrite=True."
-        )
-    if isinstance(exc, lmdb.ReadonlyError):
-        return ReadOnlyCacheError(f"Cache '{path}' is read-only ({exc}) while {action}.")
-    return LmdbCacheError(f"LMDB error while {action} cache '{path}': {exc}")
+    """The library error for an LMDB error met while ``action`` (e.g. "reading index 7 of") the cache."""
+    for classes, ours, meaning in _LMDB_ERRORS:
+        if isinstance(exc, classes):
+            fix = f" {_REBUILD}" if ours is CorruptCacheError else ""
+            return ours(f"Cache '{path}' {meaning}: LMDB said '{exc}' while {action} it.{fix}")
+    return LmdbCacheError(f"Cache '{path}': LMDB error while {action} it: {exc}")

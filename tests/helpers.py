@@ -215,3 +215,22 @@ def small_disk(tmp_path: Path, size: str) -> Iterator[Path]:
         _registry._flush_all_at_exit()  # a handle left open would keep the mount busy
         _registry._stores.clear()
         subprocess.run(["umount", str(mount)], check=True)
+
+
+@contextlib.contextmanager
+def raw_cache(path: Any, write: bool = True) -> Iterator[tuple[Any, Any, Any]]:
+    """The cache's LMDB environment opened directly (no lmdbcache): (txn, samples db, meta db), committed on exit."""
+    import lmdb
+
+    env = lmdb.open(str(path), max_dbs=2, subdir=True)
+    try:
+        samples, meta = env.open_db(b"samples"), env.open_db(b"meta")
+        with env.begin(write=write) as txn:
+            yield txn, samples, meta
+    finally:
+        env.close()
+
+
+def key(index: int) -> bytes:
+    """The LMDB key of an index (8 bytes, big-endian)."""
+    return index.to_bytes(8, "big")

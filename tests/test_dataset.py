@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import time
 
 import lmdb
 import numpy as np
@@ -68,7 +69,8 @@ def test_each_index_is_decoded_once(cache_dir, counts):
         for i in range(20):
             ds[i]
     ds.close()
-    ds = CachedDataset(Synthetic(20, count_dir=counts), cache_dir)
+    # spot_check=0: the construction-time spot check's re-decodes are the one documented exception.
+    ds = CachedDataset(Synthetic(20, count_dir=counts), cache_dir, spot_check=0)
     for i in range(20):
         assert_same(ds[i], sample_for(i))
     assert sorted(source_reads(counts)) == list(range(20))
@@ -229,7 +231,7 @@ def test_newer_format_is_refused(cache_dir):
             meta["format_version"] = lmdbcache.FORMAT_VERSION + 1
             txn.put(b"meta", msgpack.packb(meta), db=meta_db)
     with pytest.raises(
-        CacheMismatchError, match=f"format {lmdbcache.FORMAT_VERSION + 1}.*up to {lmdbcache.FORMAT_VERSION}"
+        CacheMismatchError, match=f"format {lmdbcache.FORMAT_VERSION + 1}.*formats 1 to {lmdbcache.FORMAT_VERSION}: upgrade"
     ):
         CachedDataset(Synthetic(3), cache_dir)
     with pytest.raises(CacheMismatchError):
@@ -329,22 +331,6 @@ def test_repr_and_errors_subclass_the_base(cache_dir):
         assert issubclass(cls, LmdbCacheError)
 
 
-def test_checksum_always_and_once(cache_dir):
-    """checksum='once' verifies each index on its first read in a process; 'always' on every read."""
-    with CachedDataset(Synthetic(4), cache_dir) as ds:
-        ds.__getitems__([0, 1, 2, 3])
-    once = CachedDataset.open(cache_dir)
-    once[1]
-    assert list(once._live_store()._verified) == [0, 1, 0, 0]
-    once.close()
-    _registry._stores.clear()
-    always = CachedDataset.open(cache_dir, checksum="always")
-    always[1]
-    assert always._live_store()._verified is None
-    with pytest.raises(ValueError, match="checksum"):
-        CachedDataset.open(cache_dir, checksum="never")
-
-
 def test_relative_and_pathlib_paths_share_one_handle(tmp_path, monkeypatch):
     """Relative paths and pathlib paths both work and resolve to one handle per directory."""
     monkeypatch.chdir(tmp_path)
@@ -353,3 +339,168 @@ def test_relative_and_pathlib_paths_share_one_handle(tmp_path, monkeypatch):
     a[0]
     assert a._live_store() is b._live_store()
     assert os.path.isdir(tmp_path / "rel.lmdb")
+
+
+# ---------------------------------------------------------------------- trust: rebuilds, stale sources, options
+
+
+class Resized(torch.utils.data.Dataset):
+    """A source whose preprocessing (the output size) can change while its class and length stay the same."""
+
+    def __init__(self, n: int, size: int) -> None:
+        self.n, self.size = n, size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return torch.full((3, self.size, self.size), i % 251, dtype=torch.uint8), i
+
+
+def test_rebuild_in_the_same_process_cuts_off_the_old_dataset(cache_dir):
+    """After overwrite=True, an object opened on the previous build neither reads nor writes the new one."""
+    old = CachedDataset(Listed([(torch.zeros(2), k) for k in range(10)]), cache_dir, fingerprint="A")
+    old[0]
+    new = CachedDataset(Listed([(torch.ones(2), k) for k in range(4)]), cache_dir, fingerprint="B", overwrite=True)
+    for read in (lambda: old[1], lambda: old[0], lambda: old.__getitems__([2, 3]), lambda: old[7]):
+        with pytest.raises(CacheMismatchError, match="rebuilt"):
+            read()
+    with pytest.raises(CacheMismatchError, match="rebuilt"):
+        old.flush()
+    assert new.cached_count == 0  # nothing of A's was written into B's cache (v0.1.0 wrote index 7 too)
+    assert torch.equal(new[1][0], torch.ones(2))
+    old.close()  # closing the stale object is fine
+    assert new.cached_count == 1
+    with CachedDataset.open(cache_dir) as check:
+        assert len(check) == 4 and check.fingerprint == "B"
+
+
+def test_a_changed_preprocessing_is_caught_by_the_spot_check(cache_dir):
+    """The same class and length with a different resize: opening the cache names the index and the field."""
+    with CachedDataset(Resized(20, 8), cache_dir) as ds:
+        ds.__getitems__(list(range(20)))
+    with pytest.raises(
+        CacheMismatchError,
+        match=r"at index \d+: sample\[0\] has shape \[3, 8, 8\] in the cache but "
+        r"\[3, 6, 6\] from the source.*fingerprint=.*overwrite=True",
+    ):
+        CachedDataset(Resized(20, 6), cache_dir)
+    with CachedDataset(Resized(20, 6), cache_dir, spot_check=0) as unchecked:  # the documented way out
+        assert unchecked[0][0].shape == (3, 8, 8)
+    with CachedDataset(Resized(20, 8), cache_dir, spot_check=5) as same:
+        assert same[3][1] == 3
+
+
+def test_spot_check_reports_values_and_types(cache_dir):
+    """Same shape and dtype with other values, or another type, is caught too and says which."""
+    with CachedDataset(Listed([(torch.zeros(3), 1)] * 6), cache_dir) as ds:
+        ds.__getitems__(list(range(6)))
+    with pytest.raises(CacheMismatchError, match=r"sample\[0\] has the same dtype and shape but different values"):
+        CachedDataset(Listed([(torch.ones(3), 1)] * 6), cache_dir)
+    with pytest.raises(CacheMismatchError, match=r"sample\[1\] is 1 in the cache but 2 from the source"):
+        CachedDataset(Listed([(torch.zeros(3), 2)] * 6), cache_dir)
+
+
+def test_spot_check_runs_once_at_construction_not_in_workers(cache_dir, counts):
+    """The re-decodes happen once per process tree, when the dataset is built; workers decode nothing again."""
+    with CachedDataset(Synthetic(16), cache_dir) as ds:
+        ds.__getitems__(list(range(16)))
+    ds = CachedDataset(Synthetic(16, count_dir=counts), cache_dir, spot_check=3)
+    assert 1 <= len(source_reads(counts)) <= 3
+    before = len(source_reads(counts))
+    loader = DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context="spawn")
+    assert sum(len(y) for _, y in loader) == 16
+    assert len(source_reads(counts)) == before
+    ds.close()
+
+
+def test_default_fingerprint_tells_generic_wrappers_apart(cache_dir):
+    """Two Subsets of equal length, ConcatDatasets and TensorDatasets of other parts get different fingerprints."""
+    from torch.utils.data import ConcatDataset, TensorDataset
+
+    base = Synthetic(100)
+    train, val = Subset(base, list(range(0, 50))), Subset(base, list(range(50, 100)))
+    fp = lmdbcache.default_fingerprint
+    assert fp(train) != fp(val) and fp(train) == fp(Subset(base, list(range(50))))
+    assert fp(ConcatDataset([train, val])) != fp(ConcatDataset([val, train]))
+    assert fp(TensorDataset(torch.zeros(4, 3))) != fp(TensorDataset(torch.zeros(4, 5)))
+    assert fp(base) == "Synthetic:100"  # plain datasets keep v0.1.0's fingerprint: their caches still open
+    with CachedDataset(train, cache_dir) as ds:
+        ds[0]
+    with pytest.raises(CacheMismatchError, match="fingerprint"):
+        CachedDataset(val, cache_dir)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"map_size": -1}, "map_size must be a positive number of bytes"),
+        ({"map_size": "lots"}, "map_size='lots' is not a size"),
+        ({"commit_every": 0}, "commit_every must be an integer >= 1"),
+        ({"commit_interval": 0}, "commit_interval must be a number of seconds > 0"),
+        ({"commit_bytes": -5}, "commit_bytes must be a positive number"),
+        ({"max_readers": 0}, "max_readers must be an integer >= 1"),
+        ({"checksum": "never"}, "checksum must be 'once' or 'always'"),
+        ({"spot_check": -1}, "spot_check must be an integer >= 0"),
+        ({"fingerprint": ""}, "fingerprint must be a non-empty string"),
+    ],
+)
+def test_bad_options_are_one_clear_error(cache_dir, options, match):
+    """Each out-of-range option is an InvalidOptionError (a ValueError) naming it and its range; nothing is created."""
+    with pytest.raises(lmdbcache.InvalidOptionError, match=match) as info:
+        CachedDataset(Synthetic(4), cache_dir, **options)
+    assert isinstance(info.value, ValueError)
+    assert not cache_dir.exists()
+
+
+def test_sizes_accept_what_users_type(cache_dir):
+    """map_size takes '1GB' or '64MiB' as well as an int."""
+    with CachedDataset(Synthetic(4), cache_dir, map_size="1GiB") as ds:
+        ds[0]
+        assert ds._live_store().env_info()["map_size"] >= 1 << 30
+
+
+def test_negative_length_dataset_is_refused(cache_dir):
+    """A dataset whose __len__ is negative is a clear error, not a raw ValueError from deep inside."""
+
+    class Negative(Synthetic):
+        def __len__(self):
+            return -3
+
+    with pytest.raises(lmdbcache.InvalidOptionError, match="length -3"):
+        CachedDataset(Negative(), cache_dir)
+
+
+def test_a_second_dataset_on_one_path_keeps_its_own_options(cache_dir):
+    """Per-object options hold per object; a larger map is honoured; an unchangeable reader table warns."""
+    first = CachedDataset(Synthetic(50), cache_dir, commit_every=10_000, commit_interval=60)
+    with pytest.warns(lmdbcache.LmdbCacheWarning, match="max_readers=1024.*max_readers=64 cannot take effect"):
+        second = CachedDataset(
+            Synthetic(50), cache_dir, checksum="always", commit_every=1, map_size="1GiB", max_readers=64
+        )
+    assert second._live_store().env_info()["map_size"] >= 1 << 30
+    second[3]  # commit_every=1: committed at once, whatever the first object asked for
+    from test_commit import committed, wait_until
+
+    assert wait_until(lambda: committed(cache_dir) == 1, timeout=5)
+    first[4]
+    time.sleep(0.3)
+    assert committed(cache_dir) == 1  # the first object's own policy: not yet
+    first.close()
+    second.close()
+
+
+def test_checksum_always_verifies_every_read_and_once_the_first(cache_dir):
+    """checksum='once' verifies an index's data on its first read in a process; 'always' on every read."""
+    with CachedDataset(Synthetic(4), cache_dir) as ds:
+        ds.__getitems__([0, 1, 2, 3])
+    from test_store import damage_data
+
+    once = CachedDataset.open(cache_dir)
+    always = CachedDataset.open(cache_dir, checksum="always")
+    once[1]
+    damage_data(cache_dir, 1)  # one data byte of index 1 flipped in place, under both readers
+    time.sleep(0.3)  # past the kept read transaction's age
+    assert not torch.equal(once[1][0], sample_for(1)[0])  # 'once': already verified, data not re-hashed
+    with pytest.raises(lmdbcache.CorruptSampleError, match="index 1"):
+        always[1]

@@ -16,7 +16,7 @@ import torch
 from helpers import Synthetic, assert_same, sample_for, source_reads
 from torch.utils.data import DataLoader
 
-from lmdbcache import CachedDataset, ReadersFullError, SampleNotCachedError, _registry
+from lmdbcache import CachedDataset, CacheMismatchError, ReadersFullError, SampleNotCachedError, _registry
 from lmdbcache import store as _store
 
 TESTS = Path(__file__).parent
@@ -281,3 +281,35 @@ def test_readers_keep_working_through_another_process_growing_the_map(cache_dir)
     assert ds.cached_count == 60
     assert ds._live_store()._env.info()["map_size"] >= 60 << 20
     assert len(seen) > 0
+
+
+REBUILD_SCRIPT = """
+    import sys, torch
+    from helpers import Listed
+    from lmdbcache import CachedDataset
+    with CachedDataset(Listed([(torch.ones(3), 100 + k) for k in range(8)]), sys.argv[1], fingerprint="dataset-B",
+                       overwrite=True) as ds:
+        ds.__getitems__(list(range(8)))
+"""
+
+
+def test_a_rebuild_by_another_process_is_noticed_on_the_next_read_transaction(cache_dir):
+    """A running process never serves another build's samples as its own: it raises CacheMismatchError."""
+    from helpers import Listed
+
+    ds = CachedDataset(Listed([(torch.zeros(3), k) for k in range(8)]), cache_dir, fingerprint="dataset-A")
+    ds.__getitems__(list(range(4)))
+    ds.flush()
+    assert ds[1][1] == 1
+    run_script(REBUILD_SCRIPT, str(cache_dir))
+    time.sleep(0.3)  # past the kept read transaction's age: the next read opens a new one
+    with pytest.raises(CacheMismatchError, match=r"rebuilt.*dataset-B.*by pid"):
+        ds[1]
+    for read in (lambda: ds[6], lambda: ds.__getitems__([0, 7]), lambda: ds.cached_count):
+        with pytest.raises(CacheMismatchError, match="rebuilt"):
+            read()
+    ds.close()
+    with CachedDataset.open(cache_dir) as check:  # B's build is intact: A wrote nothing into it
+        assert check.fingerprint == "dataset-B" and [check[k][1] for k in range(8)] == list(range(100, 108))
+    with CachedDataset(Listed([(torch.ones(3), 100 + k) for k in range(8)]), cache_dir, fingerprint="dataset-B") as b:
+        assert b[2][1] == 102  # a new dataset object in the same process adopts the new build

@@ -6,19 +6,23 @@ import contextlib
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import lmdb
+import msgpack
 import numpy as np
 import pytest
 import torch
-from helpers import Synthetic, assert_same, sample_for
+from helpers import Listed, Synthetic, assert_same, key, raw_cache, sample_for
 from test_processes import run_script
 
 import lmdbcache
 from lmdbcache import (
     CachedDataset,
+    CacheMismatchError,
     CorruptCacheError,
+    CorruptSampleError,
     NotACacheError,
     ReadOnlyCacheError,
     _registry,
@@ -178,8 +182,156 @@ def test_golden_format_1_cache_still_reads(tmp_path):
     ds = CachedDataset.open(copy)
     meta = ds._live_store().meta()
     assert meta["format_version"] == 1 and meta["codec"] == "lmdbcache-msgpack/1" and meta["fingerprint"] == "golden"
-    assert lmdbcache.FORMAT_VERSION == 1, "a new format must keep reading golden-v1; add a golden-v2 beside it"
     expected = golden_samples()
     assert len(ds) == len(expected) and ds.is_complete
     for i, sample in enumerate(expected):
         assert_same(ds[i], sample)
+
+
+# ---------------------------------------------------------------------- trust: hostile files and metadata
+
+
+def data_offset(path, index: int) -> int:
+    """Where index's tensor bytes (``sample_for(index)``, unique per index) lie in data.mdb."""
+    data = (Path(path) / "data.mdb").read_bytes()
+    needle = sample_for(index)[0].numpy().tobytes()
+    offset = data.find(needle)
+    assert offset >= 0 and data.find(needle, offset + 1) < 0
+    return offset
+
+
+def damage_data(path, index: int) -> None:
+    """Flip the last data byte of index's value in place (what a bad disk or a stray write does)."""
+    offset = data_offset(path, index) + len(sample_for(index)[0].numpy().tobytes()) - 1
+    with open(Path(path) / "data.mdb", "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0xFF]))
+
+
+def test_a_value_under_the_wrong_key_is_damage(cache_dir):
+    """One flipped bit in a key must not serve another index's sample: reads and verify call it damage."""
+    _cache_with(cache_dir, 10)
+    with raw_cache(cache_dir) as (txn, samples, _):
+        value = bytes(txn.get(key(3), db=samples))
+        txn.delete(key(5), db=samples)
+        txn.put(key(5), value, db=samples)  # what index 3's key with one bit flipped (3 -> 7, ...) amounts to
+    ds = CachedDataset.open(cache_dir)
+    assert_same(ds[3], sample_for(3))
+    with pytest.raises(CorruptSampleError, match="index 5"):
+        ds[5]
+    with pytest.raises(CorruptSampleError, match="index 5"):
+        ds.__getitems__([4, 5])
+    from lmdbcache import tools
+
+    assert tools.verify(cache_dir).bad == [5]
+
+
+def test_damaged_structure_is_caught_on_every_read_even_after_the_first(cache_dir):
+    """With checksum='once', a value damaged after its first read never comes back with another shape or dtype."""
+    _cache_with(cache_dir, 6)
+    ds = CachedDataset.open(cache_dir)
+    assert_same(ds[2], sample_for(2))  # verified once
+    start = data_offset(cache_dir, 2)
+    with open(cache_dir / "data.mdb", "r+b") as f:  # a dimension in the flat signature, just before the data: 8 -> 9
+        f.seek(start - 64)
+        head = f.read(64)
+        dim = head.rfind((8).to_bytes(8, "little"))
+        assert dim > 0
+        f.seek(start - 64 + dim)
+        f.write((9).to_bytes(8, "little"))
+    time.sleep(0.3)  # past the kept read transaction's age
+    with pytest.raises(CorruptSampleError, match="index 2"):
+        ds[2]
+
+
+def _set_meta(path, change) -> None:
+    with raw_cache(path) as (txn, _, meta_db):
+        meta = msgpack.unpackb(txn.get(b"meta", db=meta_db))
+        meta = change(meta)
+        txn.put(b"meta", msgpack.packb(meta), db=meta_db)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (lambda m: {k: v for k, v in m.items() if k != "cache_id"}, CorruptCacheError, "field 'cache_id' is missing"),
+        (lambda m: {**m, "length": -1}, CorruptCacheError, "field 'length' is -1, expected an integer >= 0"),
+        (lambda m: {**m, "length": "4"}, CorruptCacheError, "field 'length' is '4'"),
+        (lambda m: {k: v for k, v in m.items() if k != "fingerprint"}, CorruptCacheError, "'fingerprint' is missing"),
+        (lambda m: {**m, "cache_id": ""}, CorruptCacheError, "field 'cache_id' is ''"),
+        (lambda m: {**m, "format_version": "2"}, CorruptCacheError, "'format_version' is '2', not an integer"),
+        (lambda m: [1, 2], NotACacheError, "metadata is not lmdbcache's"),
+        (lambda m: {**m, "format_version": 99}, CacheMismatchError, "format 99.*upgrade lmdbcache"),
+    ],
+    ids=["no-cache_id", "length--1", "length-str", "no-fingerprint", "empty-id", "format-str", "not-a-map", "newer"],
+)
+def test_hostile_metadata_is_a_clear_error(cache_dir, change, error, match):
+    """Hand-edited or hostile metadata is refused naming the field, with and without the source; nothing is lost."""
+    _cache_with(cache_dir, 5)
+    _set_meta(cache_dir, change)
+    size = (cache_dir / "data.mdb").stat().st_size
+    for open_it in (lambda: CachedDataset(Synthetic(5), cache_dir), lambda: CachedDataset.open(cache_dir)):
+        with pytest.raises(error, match=match):
+            open_it()
+    assert (cache_dir / "data.mdb").stat().st_size == size
+
+
+def test_unreadable_metadata_is_a_clear_error(cache_dir):
+    """Metadata bytes that are not msgpack are CorruptCacheError, not a raw msgpack exception."""
+    _cache_with(cache_dir, 3)
+    with raw_cache(cache_dir) as (txn, _, meta_db):
+        txn.put(b"meta", b"\xc1\xc1garbage", db=meta_db)
+    with pytest.raises(CorruptCacheError, match="unreadable metadata"):
+        CachedDataset.open(cache_dir)
+
+
+def test_format_1_cache_is_filled_in_format_2_and_still_reads(tmp_path):
+    """Opening a format-1 cache with its source marks it format 2 (same build); old and new values both read."""
+    copy = tmp_path / "golden"
+    copy.mkdir()
+    shutil.copy(GOLDEN / "data.mdb", copy / "data.mdb")
+    reader = CachedDataset.open(copy)
+    expected = golden_samples()
+    assert_same(reader[0], expected[0])
+    extra = Listed([*expected, (torch.ones(2), 5)])
+    with pytest.raises(CacheMismatchError, match="length"):
+        CachedDataset(extra, copy, fingerprint="golden")
+    source = Listed(expected)
+    ds = CachedDataset(source, copy, fingerprint="golden")
+    meta = ds._live_store().meta()
+    assert meta["format_version"] == lmdbcache.FORMAT_VERSION == 2 and meta["upgraded_from"] == 1
+    time.sleep(0.3)
+    for i, sample in enumerate(expected):
+        assert_same(reader[i], sample)  # the reader was not told the cache was rebuilt: it was not
+    ds.close()
+    reader.close()
+
+
+def test_an_lmdb_error_while_reading_becomes_a_library_error(cache_dir):
+    """A page number past the end of the file (a damaged branch page) is CorruptCacheError naming the path."""
+    _cache_with(cache_dir, 300)
+    data = bytearray((cache_dir / "data.mdb").read_bytes())
+    # Find the samples database's root page through LMDB and point its first child far past the end.
+    with raw_cache(cache_dir, write=False) as (txn, samples, _):
+        depth = txn.stat(samples)["depth"]
+    assert depth >= 2
+    psize = 4096
+    for pgno in range(2, len(data) // psize):
+        page = data[pgno * psize : (pgno + 1) * psize]
+        flags = int.from_bytes(page[10:12], "little")
+        if flags & 0x01:  # P_BRANCH
+            lower = int.from_bytes(page[12:14], "little")
+            ptr = int.from_bytes(page[16:18], "little")  # first node
+            data[pgno * psize + ptr : pgno * psize + ptr + 6] = (10**6).to_bytes(6, "little")
+            del lower
+            break
+    else:
+        pytest.fail("no branch page found")
+    (cache_dir / "data.mdb").write_bytes(bytes(data))
+    ds = CachedDataset.open(cache_dir)
+    with pytest.raises((CorruptCacheError, CorruptSampleError)) as info:
+        for i in range(300):
+            ds[i]
+    assert str(cache_dir) in str(info.value)

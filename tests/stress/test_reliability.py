@@ -19,6 +19,7 @@ from helpers import Big, Huge, Listed, Synthetic, assert_same, sample_for, small
 from test_cli import _flip_in_file, cli
 from test_processes import check_cache, run_script, wait_for_count
 
+import lmdbcache
 from lmdbcache import (
     CachedDataset,
     CacheFullError,
@@ -329,7 +330,7 @@ def test_random_bit_flips_anywhere_in_a_value(cache_dir, tmp_path):
     print(f"{trials} random bit flips (offset 0..{len(value) - 1} of a value), each caught on read")
 
 
-@pytest.mark.parametrize("version", [0, 2])
+@pytest.mark.parametrize("version", [0, lmdbcache.FORMAT_VERSION + 1])
 def test_older_and_newer_formats_are_refused(cache_dir, version):
     """A cache whose metadata says another on-disk format raises CacheMismatchError, and is left as it is."""
     with CachedDataset(Synthetic(3), cache_dir) as ds:

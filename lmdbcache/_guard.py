@@ -1,0 +1,106 @@
+"""Refuse an LMDB record whose value would run past the end of data.mdb, before anything touches it.
+
+Why this exists: py-lmdb's ``Transaction.get`` (and ``Cursor.value``) touch one byte per 4 KiB
+page of a value as soon as LMDB returns it (``preload()`` in py-lmdb's cpython.c), and LMDB
+trusts the value length stored in the record. One damaged length in data.mdb therefore kills
+the reading process with SIGBUS (pages past the end of the file) or SIGSEGV (past the map)
+before Python sees any byte: the fuzz in tests/stress/test_fuzz_file.py found such files.
+
+So a value this process has not verified yet is looked up with a cursor (``set_key`` does not
+touch the value), and its record is checked against the mapped file first. The record layout
+is LMDB 0.9's ``MDB_node`` (mdb.c), fixed since 2011: 8 bytes right before the key::
+
+    u16 lo, u16 hi      data size = lo | hi << 16 (little-endian machines)
+    u16 flags           F_BIGDATA (0x01): the data is on overflow pages
+    u16 ksize           key size
+    key (ksize bytes), then the data inline, or a u64 overflow page number (F_BIGDATA);
+    an overflow page's data starts after its 16-byte page header.
+
+The mapping's address comes from /proc/self/maps (refreshed when the map moves: a growth or an
+adopted resize). Where that is unavailable (not Linux) the check is skipped, never guessed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+import sys
+
+import numpy as np
+
+__all__ = ["MapGuard"]
+
+_NODE = struct.Struct("<HHHH")
+_PGNO = struct.Struct("<Q")
+_F_BIGDATA = 0x01
+_PAGE_HEADER = 16
+_string_at = ctypes.string_at
+_frombuffer = np.frombuffer
+_LITTLE = sys.byteorder == "little"
+
+
+class MapGuard:
+    """Bounds checks for records of one data.mdb mapped in this process."""
+
+    def __init__(self, data_file: str, page_size: int) -> None:
+        self.data_file = data_file
+        self.page_size = page_size
+        self.start = 0  # the mapping's address, 0 when unknown
+        self.file_size = 0
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Find the mapping of data.mdb in this process and the file's current size."""
+        self.start = 0
+        try:
+            st = os.stat(self.data_file)
+            with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return
+        self.file_size = st.st_size
+        for line in lines:
+            fields = line.split(maxsplit=5)
+            if len(fields) < 6 or fields[2] != "00000000":
+                continue
+            try:
+                inode = int(fields[4])
+            except ValueError:
+                continue
+            if inode == st.st_ino and os.path.realpath(fields[5]) == os.path.realpath(self.data_file):
+                self.start = int(fields[0].split("-")[0], 16)
+                return
+
+    def problem(self, key: memoryview) -> str | None:
+        """Why the record whose key (a view into the map) is ``key`` cannot be read safely, or None."""
+        if not self.start or not _LITTLE:
+            return None
+        for attempt in (0, 1):
+            verdict = self._check(key)
+            if verdict is None or attempt:
+                return verdict
+            self.refresh()  # the map may have moved, or the file grown, since the last look
+        return None  # pragma: no cover
+
+    def _check(self, key: memoryview) -> str | None:
+        start, end = self.start, self.start + self.file_size
+        address = _frombuffer(key, np.uint8).ctypes.data
+        if not start + self.page_size <= address - 8 < end:
+            return f"its key lies outside the data file (offset {address - start})"
+        lo, hi, flags, ksize = _NODE.unpack(_string_at(address - 8, 8))
+        size = lo | hi << 16
+        data = address + ksize
+        if flags & _F_BIGDATA:
+            if data + 8 > end:
+                return "its overflow page number lies past the end of the data file"
+            pgno = _PGNO.unpack(_string_at(data, 8))[0]
+            offset = pgno * self.page_size + _PAGE_HEADER
+            if pgno < 2 or offset + size > self.file_size:
+                return (
+                    f"its {size:,}-byte value on page {pgno} would run past the end of the data file "
+                    f"({self.file_size:,} bytes)"
+                )
+        elif data + size > end:
+            return f"its {size:,}-byte value would run past the end of the data file ({self.file_size:,} bytes)"
+        return None

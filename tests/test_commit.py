@@ -1,0 +1,140 @@
+"""The commit queue and its thread: time bounds for the whole life of a process, races with forks and Ctrl-C."""
+
+from __future__ import annotations
+
+import _thread
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from helpers import Synthetic, assert_same, sample_for
+
+from lmdbcache import CachedDataset
+
+
+def committed(path) -> int:
+    """Samples committed, as another process sees them (LMDB directly: py-lmdb opens an environment once per process)."""
+    code = (
+        "import lmdb, sys; env = lmdb.open(sys.argv[1], max_dbs=2, readonly=True, lock=False); "
+        "db = env.open_db(b'samples', create=False); print(env.begin().stat(db)['entries'])"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout)
+
+
+def wait_until(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_commit_interval_holds_for_the_whole_life_of_the_process(cache_dir):
+    """Every queued miss is committed within commit_interval of being queued, not only after the first commit."""
+    ds = CachedDataset(Synthetic(40), cache_dir, commit_every=10_000, commit_interval=0.3)
+    for round_ in range(4):  # v0.1.0 committed the first round only
+        for i in range(round_ * 10, round_ * 10 + 10):
+            ds[i]
+        queued = time.monotonic()
+        assert wait_until(lambda n=round_ * 10 + 10: committed(cache_dir) == n, timeout=5.0), (
+            round_,
+            committed(cache_dir),
+        )
+        assert time.monotonic() - queued < 3.0
+        time.sleep(0.5)  # the thread goes idle between rounds, as a persistent worker between epochs
+    ds.close()
+
+
+def test_a_fork_racing_misses_leaves_a_live_committer(cache_dir):
+    """Threads filling misses while the main thread forks in a loop: every sample is committed, nothing hangs."""
+    n, forks = 400, 25
+    ds = CachedDataset(Synthetic(n), cache_dir, commit_every=7, commit_interval=0.05)
+    errors: list[BaseException] = []
+
+    def fill(start: int) -> None:
+        try:
+            for i in range(start, n, 4):
+                ds[i]
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=fill, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for _ in range(forks):
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        time.sleep(0.005)
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive()
+    assert not errors, errors
+    done = threading.Event()
+    threading.Thread(target=lambda: (ds.flush(), done.set()), daemon=True).start()
+    assert done.wait(30), "flush() hung: no live committer thread"
+    assert committed(cache_dir) == n
+    ds.close()
+    check = CachedDataset.open(cache_dir)
+    for i in range(0, n, 37):
+        assert_same(check[i], sample_for(i))
+
+
+def test_close_racing_misses_leaves_a_live_committer(cache_dir):
+    """close() from one thread while others fill misses: later flushes and closes finish, nothing is lost."""
+    n = 300
+    ds = CachedDataset(Synthetic(n), cache_dir, commit_every=5, commit_interval=0.05)
+    stop = threading.Event()
+
+    def fill(start: int) -> None:
+        i = start
+        while not stop.is_set() and i < n:
+            ds[i]
+            i += 3
+
+    threads = [threading.Thread(target=fill, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for _ in range(20):
+        ds._live_store().close()  # what a fork or the exit hook does to the shared store
+        time.sleep(0.01)
+    stop.set()
+    for t in threads:
+        t.join(timeout=60)
+    done = threading.Event()
+    threading.Thread(target=lambda: (ds.close(), done.set()), daemon=True).start()
+    assert done.wait(30), "close() hung"
+    seen = committed(cache_dir)
+    with CachedDataset(Synthetic(n), cache_dir) as again:
+        again.__getitems__(list(range(n)))
+    assert committed(cache_dir) == n and seen <= n
+
+
+def test_ctrl_c_during_a_drain_leaves_the_queue_usable(cache_dir):
+    """KeyboardInterrupt while flush() waits for a commit: the commit still lands and later flushes work."""
+    ds = CachedDataset(Synthetic(200), cache_dir, commit_every=10_000, commit_interval=60)
+    store = ds._live_store()
+    real_write = store._queue._write
+
+    def slow_write(batch):
+        time.sleep(0.5)
+        return real_write(batch)
+
+    store._queue._write = slow_write
+    ds.__getitems__(list(range(100)))
+    threading.Timer(0.1, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        ds.flush()
+    ds.__getitems__(list(range(100, 200)))
+    done = threading.Event()
+    threading.Thread(target=lambda: (ds.flush(), done.set()), daemon=True).start()
+    assert done.wait(30), "flush() hung after a Ctrl-C"
+    assert committed(cache_dir) == 200
+    ds.close()
