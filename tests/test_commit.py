@@ -16,7 +16,7 @@ from lmdbcache import CachedDataset
 
 
 def committed(path) -> int:
-    """Samples committed, as another process sees them (LMDB directly: py-lmdb opens an environment once per process)."""
+    """Samples committed, as another process sees them (py-lmdb opens an environment once per process)."""
     code = (
         "import lmdb, sys; env = lmdb.open(sys.argv[1], max_dbs=2, readonly=True, lock=False); "
         "db = env.open_db(b'samples', create=False); print(env.begin().stat(db)['entries'])"

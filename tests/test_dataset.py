@@ -231,7 +231,7 @@ def test_newer_format_is_refused(cache_dir):
             meta["format_version"] = lmdbcache.FORMAT_VERSION + 1
             txn.put(b"meta", msgpack.packb(meta), db=meta_db)
     with pytest.raises(
-        CacheMismatchError, match=f"format {lmdbcache.FORMAT_VERSION + 1}.*formats 1 to {lmdbcache.FORMAT_VERSION}: upgrade"
+        CacheMismatchError, match=f"format {lmdbcache.FORMAT_VERSION + 1}.*formats 1 to {lmdbcache.FORMAT_VERSION}: upg"
     ):
         CachedDataset(Synthetic(3), cache_dir)
     with pytest.raises(CacheMismatchError):
