@@ -12,12 +12,14 @@ import importlib.util
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._version import __version__
 from .errors import LmdbCacheError, SpecError
 
+# Printed as written (RawDescriptionHelpFormatter does not %-format an epilog): a plain "%",
+# where help= strings need "%%".
 EXAMPLES = {
     "precompute": """examples:
   lmdbcache precompute mypkg.data:make_train_set /fast/train.lmdb --arg root=/data/train --arg size=256
@@ -30,20 +32,27 @@ EXAMPLES = {
 SPEC is package.module:callable or path/to/file.py:callable; the callable returns the
 dataset, called with the --arg values (parsed as JSON where they parse, else strings).
 Already cached indices are skipped: rerun the same command to resume after Ctrl-C or a crash.
-Index i belongs to shard i %% N.""",
+Index i belongs to shard i % N.""",
     "info": """examples:
   lmdbcache info /fast/train.lmdb
   lmdbcache info /fast/train.lmdb --json | jq .cached""",
     "verify": """examples:
   lmdbcache verify /fast/train.lmdb            # exit 1 and list the damaged indices if any
-  lmdbcache verify /fast/train.lmdb --repair   # delete them: they are decoded again on next read""",
+  lmdbcache verify /fast/train.lmdb --repair   # delete them: they are decoded again on next read
+
+The scan runs in a child process: a damaged file that crashes LMDB's reader (SIGSEGV, SIGBUS)
+is reported as damage (exit 1) with the index it was reading. --repair deletes damaged values
+only; a file that crashes the reader must be copied from a good replica or rebuilt.""",
     "warm": """examples:
   lmdbcache warm /fast/train.lmdb && python train.py   # first epoch after a reboot at page-cache speed""",
     "copy": """examples:
   lmdbcache copy /shared/train.lmdb /local-ssd/train.lmdb   # on each node, before training
 
 Safe while the source is read or written (LMDB's own compacting copy of one snapshot).
-Does nothing if the destination already holds the complete cache; replaces an incomplete one.""",
+Does nothing if the destination already holds the complete cache; replaces an incomplete one.
+Only the cache's own files in DST change (data.mdb, lock.mdb): other files there are left alone,
+and a file as DST is refused. Processes that have the old cache open keep reading it until they
+reopen it; what they add to it meanwhile is lost.""",
     "merge": """examples:
   lmdbcache merge /fast/train.lmdb /fast/shard-0.lmdb /fast/shard-1.lmdb /fast/shard-2.lmdb
   lmdbcache merge /fast/train.lmdb /fast/shard-*.lmdb""",
@@ -118,6 +127,30 @@ def _parse_shard(text: str) -> tuple[int, int]:
     return shard
 
 
+def _int_at_least(minimum: int, note: str = "") -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``, else a one-line error naming the valid range."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}{note}, not '{text}'")
+        return value
+
+    return parse
+
+
+def _fingerprint(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "must not be empty: omit --fingerprint for the default (class name and length), or give a name that "
+            "changes when the decoded content would"
+        )
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmdbcache", description="Build and look after lmdbcache caches.")
     parser.add_argument("--version", action="version", version=f"lmdbcache {__version__}")
@@ -136,16 +169,37 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("spec", metavar="SPEC", help="package.module:callable or path/to/file.py:callable")
     p.add_argument("path", metavar="PATH", help="the cache directory")
     p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", help="keyword argument for SPEC")
-    p.add_argument("--workers", type=int, default=None, help="decoding processes (default: the CPU count)")
+    p.add_argument(
+        "--workers",
+        type=_int_at_least(0, " (0 decodes in this process)"),
+        default=None,
+        metavar="N",
+        help="decoding processes (default: the CPU count); 0 decodes in this process",
+    )
     p.add_argument(
         "--shard", type=_parse_shard, default=None, metavar="I/N", help="only the indices i with i %% N == I"
     )
-    p.add_argument("--fingerprint", default=None, help="the dataset's fingerprint (default: class name and length)")
+    p.add_argument(
+        "--fingerprint",
+        type=_fingerprint,
+        default=None,
+        help="the dataset's fingerprint (default: class name and length)",
+    )
     p.add_argument("--overwrite", action="store_true", help="empty an existing cache and rebuild it")
-    p.add_argument("--check-determinism", type=int, default=3, metavar="K", help="decode K indices twice (default 3)")
+    p.add_argument(
+        "--check-determinism",
+        type=_int_at_least(0, " (0 skips the check)"),
+        default=3,
+        metavar="K",
+        help="decode K indices twice (default 3; 0 skips the check)",
+    )
     p.add_argument("--allow-nondeterministic", action="store_true", help="cache a dataset whose samples vary anyway")
-    p.add_argument("--batch-size", type=int, default=16, help="samples per worker task (default 16)")
-    p.add_argument("--commit-every", type=int, default=1024, help="samples per commit (default 1024)")
+    p.add_argument(
+        "--batch-size", type=_int_at_least(1), default=16, metavar="N", help="samples per worker task (default 16)"
+    )
+    p.add_argument(
+        "--commit-every", type=_int_at_least(1), default=1024, metavar="N", help="samples per commit (default 1024)"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     p = command("info", "Show a cache's length, fill, fingerprint, format and size.")
@@ -164,7 +218,11 @@ def _parser() -> argparse.ArgumentParser:
     p = command("copy", "Copy a cache (compacted, consistent) to another place, e.g. a node's local disk.")
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
-    p.add_argument("--overwrite", action="store_true", help="replace a cache of another dataset at DST")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a cache of another dataset (or format) at DST, or put the cache beside other files there",
+    )
 
     p = command("merge", "Merge shard caches of one dataset into one cache.")
     p.add_argument("out", metavar="OUT")
@@ -213,24 +271,60 @@ def _info(args: argparse.Namespace) -> int:
     print(f"length       {data['length']}")
     print(f"cached       {data['cached']} ({data['percent']:.1f}%, {state})")
     print(f"fingerprint  {data['fingerprint']}")
-    print(
-        f"format       {data['format_version']} (codec {data['codec']}, written by lmdbcache {data['library_version']})"
-    )
+    print(f"format       {data['format_version']} (written by lmdbcache {data['library_version']})")
     print(f"size         {data['size_bytes'] / 2**20:,.1f} MB on disk, map {data['map_size'] / 2**20:,.0f} MB")
     print(f"created      {data['created']}")
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .tools import info, verify
+    from .tools import verify
 
-    with _bar(info(args.path)["cached"], "sample", args.quiet) as bar:
-        result = verify(args.path, repair=args.repair, progress=bar.update)
+    with _bar(None, "sample", args.quiet) as bar:
+
+        def started(total: int) -> None:
+            bar.total = total
+            bar.refresh()
+
+        result = verify(args.path, repair=args.repair, progress=bar.update, started=started)
+    shown = ", ".join(map(str, result.bad[:20])) + (", ..." if len(result.bad) > 20 else "")
+    deleted = f"{result.repaired} were deleted before it" if result.repaired else "nothing was deleted"
+    if result.crashed is not None and not result.file_damaged:
+        print(
+            f"verify stopped: {result.crashed}; {deleted}. Run it again; if it stops at the same place, the file is "
+            "damaged: copy the cache from a good replica, or rebuild it (`lmdbcache precompute --overwrite`)."
+        )
+        return 1
+    broken = result.crashed or result.unreadable
+    if broken is not None:
+        # The file itself is damaged, not just some values: repair does not write to it.
+        before = f" Damaged entries before it: {shown}." if result.bad else ""
+        cannot = (
+            " --repair cannot fix that (it deletes damaged values; writing to a file this damaged could spread it):"
+            f" {deleted}."
+            if args.repair
+            else ""
+        )
+        fix = (
+            "; copy the cache from a good replica, or rebuild it (`lmdbcache precompute --overwrite`)."
+            if result.crashed
+            else ""  # the reason already says what to do
+        )
+        print(f"damaged: {broken}{fix}{cannot}{before}")
+        return 1
     if not result.bad:
         print(f"Checked {result.checked} entries: all intact.")
         return 0
-    shown = ", ".join(map(str, result.bad[:20])) + (", ..." if len(result.bad) > 20 else "")
     if args.repair:
+        kept = sorted(result.unrepaired)
+        if kept:
+            why = result.unrepaired[kept[0]]
+            print(
+                f"Checked {result.checked} entries: deleted {result.repaired} of {len(result.bad)} damaged ({shown}); "
+                f"could not delete {', '.join(map(str, kept[:20]))} ({why}). Copy the cache from a good replica, or "
+                "rebuild it (`lmdbcache precompute --overwrite`)."
+            )
+            return 1
         print(
             f"Checked {result.checked} entries: deleted {result.repaired} damaged ({shown}). They are decoded again "
             "on their next read, or by `lmdbcache precompute`."
@@ -247,7 +341,9 @@ def _warm(args: argparse.Namespace) -> int:
     available = _mem_available()
     if size and available and size > available:
         print(
-            f"warning: the cache ({size / 2**20:,.0f} MB) is larger than the free memory ({available / 2**20:,.0f} MB)."
+            f"lmdbcache warm: warning: the cache ({size / 2**20:,.0f} MB) is larger than the free memory "
+            f"({available / 2**20:,.0f} MB): it cannot all stay in the page cache.",
+            file=sys.stderr,
         )
     with _bar(size, "B", args.quiet, unit_scale=True, unit_divisor=1024) as bar:
         total, seconds = warm(args.path, progress=bar.update)
@@ -278,6 +374,12 @@ def _copy(args: argparse.Namespace) -> int:
             f"{result.action.capitalize()} '{args.dst}' from '{args.src}': {result.cached}/{result.length} samples "
             f"in {result.seconds:.1f} s."
         )
+    if result.others_had_it_open:
+        print(
+            f"lmdbcache copy: note: other processes had the old cache at '{args.dst}' open. They keep reading it, "
+            "as it was, until they reopen the cache; samples they add to it meanwhile are not kept.",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -285,9 +387,12 @@ def _merge(args: argparse.Namespace) -> int:
     from .tools import merge
 
     with _bar(None, "sample", args.quiet) as bar:
-        data = merge(args.out, args.shards, progress=bar.update)
-    state = "complete" if data["complete"] else f"incomplete: {data['length'] - data['cached']} indices missing"
-    print(f"Merged {len(args.shards)} shards into '{args.out}': {data['cached']}/{data['length']} samples ({state}).")
+        result = merge(args.out, args.shards, progress=bar.update)
+    state = "complete" if result.complete else f"incomplete: {result.length - result.cached} indices missing"
+    print(
+        f"Merged {result.shards} shards into '{args.out}': {result.cached}/{result.length} samples ({state}); "
+        f"added {result.written}, {result.skipped} were already there."
+    )
     return 0
 
 
@@ -305,12 +410,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except LmdbCacheError as exc:
-        print(f"lmdbcache {args.command}: error: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"lmdbcache {args.command}: error: {exc}", file=sys.stderr)
+    except (LmdbCacheError, OSError) as exc:
+        _error(args.command, _one_line(exc))
         return 1
     except KeyboardInterrupt:
         print(f"lmdbcache {args.command}: interrupted.", file=sys.stderr)
         return 130
+    except Exception as exc:
+        import lmdb
+
+        if not isinstance(exc, lmdb.Error):
+            raise
+        # The store translates every LMDB error; one that gets here is a bug, but still one line.
+        _error(
+            args.command,
+            f"LMDB error that lmdbcache did not translate: {type(exc).__name__}: {_one_line(exc)}. This is a bug in "
+            "lmdbcache; please report it with this line. The cache may be damaged: `lmdbcache verify` tells.",
+        )
+        return 1
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split("\n")).strip() or type(exc).__name__
+
+
+def _error(command: str, message: str) -> None:
+    print(f"lmdbcache {command}: error: {message}", file=sys.stderr)

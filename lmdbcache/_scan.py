@@ -1,0 +1,209 @@
+"""verify's scan, run in a child process, because a damaged data.mdb can crash its reader.
+
+LMDB trusts the page numbers and lengths written in its file: a damaged one can send its C code
+past the end of the file (SIGBUS) or of the map (SIGSEGV), which kills the process with no Python
+exception to catch. So ``tools.verify`` runs ``main`` in a child and reads its report from a pipe;
+when the child dies, the parent knows what it was reading and says so.
+
+The report: one line per message, each written with one unbuffered ``os.write`` (atomic on a
+pipe), so a crash loses nothing that was sent before it::
+
+    s LENGTH CACHED   the cache opened: the dataset length and the number of stored entries (-1: unknown)
+    k AFTER           about to read the next keys after index AFTER (-1: from the start)
+    r INDEX           about to read and decode the value of INDEX (so the one before is done)
+    b JSON            [index, why]: a damaged entry; the scan goes on
+    u JSON            [after, why]: damage the scan cannot read past (not a crash); it stops there
+                      (after null: damage found at the end; nothing is deleted either way)
+    d JSON            [indices]: about to delete these (repair), in one transaction
+    x COUNT           that transaction deleted COUNT entries
+    f JSON            [index, why]: that index could not be deleted (repair)
+    w JSON            [category, message]: a warning
+    e JSON            [error class, message]: the cache could not be opened or read
+    z CHECKED DELETED done
+
+Each key, then its value, is read in its own short read transaction (a few microseconds each),
+so a crash names the index whose value it was reading, or the last index before the damage.
+Keys are read from the last index seen, inclusive, so a key that is not an index cannot hide
+between two indices.
+Repair (deleting the damaged values) happens here too, and only after a scan that read the whole
+file: the parent never opens it, and a file whose structure is damaged is never written to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import signal
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from . import codec
+from .errors import CorruptCacheError, CorruptSampleError, LmdbCacheError
+
+__all__ = ["TEST_SIGNAL", "main"]
+
+_LAST_INDEX = 2**64 - 1  # the largest 8-byte key: nothing comes after it
+# Tests only: "SIGSEGV@7" makes the child send itself SIGSEGV when it is about to read index 7,
+# to prove the parent's handling of a reader that dies (tests/test_cli.py).
+TEST_SIGNAL = "LMDBCACHE_TEST_SCAN_SIGNAL"
+
+
+class _Report:
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def send(self, tag: str, *fields: Any) -> None:
+        text = " ".join(f if isinstance(f, str) else json.dumps(f) for f in fields)
+        os.write(self.fd, f"{tag} {text}\n".encode())
+
+    def mark(self, tag: bytes, number: int) -> None:
+        """The per-entry messages (k, r): one number, the cheap way."""
+        os.write(self.fd, b"%s %d\n" % (tag, number))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lmdbcache._scan", description=__doc__.split("\n")[0])
+    parser.add_argument("path")
+    parser.add_argument("fd", type=int, help="the pipe to report on")
+    parser.add_argument("--repair", action="store_true")
+    args = parser.parse_args(argv)
+    report = _Report(args.fd)
+
+    def forward(message: Any, category: type, *_: Any, **__: Any) -> None:
+        report.send("w", [category.__name__, str(message)])
+
+    warnings.showwarning = forward
+    try:
+        checked, deleted = _scan(args.path, args.repair, report)
+    except (LmdbCacheError, OSError) as exc:
+        report.send("e", [type(exc).__name__, str(exc)])
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    report.send("z", str(checked), str(deleted))
+    return 0
+
+
+def _scan(path: str, repair: bool, report: _Report) -> tuple[int, int]:
+    from . import _registry
+    from .tools import _open
+
+    hook = _test_hook()
+    store = _open(path)
+    try:
+        length = store.meta()["length"]
+        try:
+            entries, miscount = store.count(), None
+        except CorruptCacheError as exc:  # e.g. more entries than the length: the scan says which
+            entries, miscount = -1, str(exc)
+        report.send("s", str(length), str(entries))
+        bad: list[int] = []
+        checked, seen, after = 0, 0, -1
+        while after < _LAST_INDEX:
+            report.mark(b"k", after)
+            try:
+                # One key at a time, so a crash names where it happened; and from ``after`` itself, not
+                # after + 1: a key that is not an index can sort between two indices.
+                keys = list(itertools.islice(store.iter_keys(max(after, 0), chunk=2), 2))
+            except CorruptCacheError as exc:
+                report.send("u", [after, str(exc)])
+                return checked, 0  # nothing is written to a file whose structure is damaged
+            ahead = [k for k in keys if k != after]
+            if not ahead:
+                break
+            index = ahead[0]
+            if index < after:
+                disorder = (
+                    f"keys out of order (index {index} after {after}): its B-tree is damaged. Copy the cache "
+                    "from a good replica, or rebuild it (`lmdbcache precompute --overwrite`)."
+                )
+                report.send("u", [after, disorder])
+                return checked, 0
+            after, seen = index, seen + 1
+            report.mark(b"r", index)
+            if hook is not None and hook[1] == index:
+                os.kill(os.getpid(), hook[0])
+            why = _check(store, index, length)
+            if why is _GONE:
+                continue
+            checked += 1
+            if why is not None:
+                bad.append(index)
+                report.send("b", [index, why])
+        if miscount is not None and not bad:
+            report.send("u", [None, f"the scan found no damaged entry, yet: {miscount}"])
+            return checked, 0
+        if seen < entries:  # entries are only deleted by repair: some keys were out of the scan's reach
+            report.send(
+                "u",
+                [
+                    None,
+                    f"it held {entries} entries when the scan began but only {seen} have keys that are indices "
+                    "(the others sort before index 0). Copy the cache from a good replica, or rebuild it "
+                    "(`lmdbcache precompute --overwrite`).",
+                ],
+            )
+            return checked, 0
+        return checked, _delete(store, bad, report) if repair and bad else 0
+    finally:
+        _registry.release(store)
+
+
+_GONE = "deleted since its key was read (by another process): not checked"
+
+
+def _check(store: Any, index: int, length: int) -> str | None:
+    """Why the entry of ``index`` is damaged, None if it decodes (checksums bound to its index), or _GONE."""
+    try:
+        found = next(iter(store.iter_raw(index, chunk=1)), None)
+    except CorruptCacheError as exc:
+        return str(exc)
+    if found is None or found[0] != index:
+        return _GONE
+    if index >= length:
+        return f"index {index} is outside the dataset (length {length})"
+    try:
+        codec.decode(found[1], index)
+    except CorruptSampleError as exc:
+        return str(exc)
+    except Exception as exc:  # the codec must not raise anything else on damaged bytes; report it anyway
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _delete(store: Any, bad: list[int], report: _Report) -> int:
+    """Delete the damaged entries: all in one transaction, else one by one (some may not be deletable)."""
+    report.send("d", bad)
+    try:
+        deleted = int(store.delete(bad))
+    except CorruptCacheError:
+        deleted = 0
+    else:
+        report.send("x", str(deleted))
+        return deleted
+    for index in bad:
+        report.send("d", [index])
+        try:
+            count = int(store.delete([index]))
+        except CorruptCacheError as exc:
+            report.send("f", [index, str(exc)])
+            continue
+        deleted += count
+        report.send("x", str(count))
+    return deleted
+
+
+def _test_hook() -> tuple[int, int] | None:
+    spec = os.environ.get(TEST_SIGNAL)
+    if not spec:
+        return None
+    name, _, index = spec.partition("@")
+    return int(getattr(signal, name)), int(index)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
