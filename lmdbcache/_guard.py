@@ -72,7 +72,7 @@ class MapGuard:
                 self.start = int(fields[0].split("-")[0], 16)
                 return
 
-    def problem(self, key: memoryview) -> str | None:
+    def problem(self, key: bytes | memoryview) -> str | None:
         """Why the record whose key (a view into the map) is ``key`` cannot be read safely, or None."""
         if not self.start or not _LITTLE:
             return None
@@ -83,7 +83,7 @@ class MapGuard:
             self.refresh()  # the map may have moved, or the file grown, since the last look
         return None  # pragma: no cover
 
-    def _check(self, key: memoryview) -> str | None:
+    def _check(self, key: bytes | memoryview) -> str | None:
         start, end = self.start, self.start + self.file_size
         address = _frombuffer(key, np.uint8).ctypes.data
         if not start + self.page_size <= address - 8 < end:
