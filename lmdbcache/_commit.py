@@ -184,7 +184,8 @@ class CommitQueue:
                         if timeout <= 0:
                             self.inflight, self.pending, self.pending_bytes = self.pending, {}, 0
                             break
-                    cond.wait(timeout)
+                    # Bounded: threading refuses waits beyond TIMEOUT_MAX (a huge commit_interval).
+                    cond.wait(None if timeout is None else min(timeout, 3600.0))
                 self._busy = True
                 batch = sorted(self.inflight.items())  # key order: appends to the B-tree
             error = None

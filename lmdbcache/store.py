@@ -248,14 +248,23 @@ class Store:
         with self._lock:
             if overwrite:
                 self._queue.forget()  # samples of the build being replaced
-            self._queue.drain()
+            try:
+                self._queue.drain()
+            except CacheMismatchError:
+                self._queue.forget()  # samples of a build another process replaced
+            if overwrite:
+                self._queue.forget()  # queued by other threads while the drain waited
+            # From here to _adopt the lock is held: no thread can queue a sample in between.
             self._close_env()  # another dataset in this process may have it open: start clean
+            previous = self.build
             try:
                 meta, raw = self._initialize(length, fingerprint, overwrite, create)
             except BaseException:
                 self._close_env()
                 raise
             self._adopt(meta, raw)
+            if meta["cache_id"] != previous:
+                self._queue.forget()
             return meta
 
     def _initialize(
@@ -423,6 +432,9 @@ class Store:
             if not readonly:
                 env.reader_check()  # reclaim the reader slots of processes that died
                 self._last_reader_check = time.monotonic()
+                # LMDB opens a file larger than map_size with a map exactly its size: no room for
+                # even the free-list pages of a rebuild or a metadata update. Make some first.
+                self._reserve(env, 4 * _MIB)
         except lmdb.Error as exc:
             env.close()
             raise _translate(exc, path, "opening") from exc

@@ -138,3 +138,15 @@ def test_ctrl_c_during_a_drain_leaves_the_queue_usable(cache_dir):
     assert done.wait(30), "flush() hung after a Ctrl-C"
     assert committed(cache_dir) == 200
     ds.close()
+
+
+def test_a_huge_commit_interval_never_kills_the_committer(cache_dir):
+    """commit_interval beyond threading's longest wait (1e10 s) still lets flush() commit."""
+    ds = CachedDataset(Synthetic(4), cache_dir, commit_interval=1e10)
+    ds[0]
+    time.sleep(0.3)  # the thread reaches its timed wait
+    done = threading.Event()
+    threading.Thread(target=lambda: (ds.flush(), done.set()), daemon=True).start()
+    assert done.wait(30), "flush() hung: the committer thread died"
+    assert ds.cached_count == 1
+    ds.close()

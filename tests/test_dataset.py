@@ -504,3 +504,36 @@ def test_checksum_always_verifies_every_read_and_once_the_first(cache_dir):
     assert not torch.equal(once[1][0], sample_for(1)[0])  # 'once': already verified, data not re-hashed
     with pytest.raises(lmdbcache.CorruptSampleError, match="index 1"):
         always[1]
+
+
+def test_a_rebuild_racing_the_old_objects_misses_keeps_them_out_of_the_new_build(cache_dir):
+    """A thread filling misses through the old object while this thread rebuilds: the new build holds none of them."""
+    import threading
+
+    n = 3000
+    old = CachedDataset(Listed([(torch.ones(512, dtype=torch.uint8), k) for k in range(n)]), cache_dir,
+                        fingerprint="fp", commit_every=64, commit_interval=0.001)  # fmt: skip
+    stop = threading.Event()
+
+    def fill() -> None:
+        for i in range(n):
+            if stop.is_set():
+                return
+            try:
+                old[i]
+            except CacheMismatchError:
+                return
+
+    thread = threading.Thread(target=fill)
+    thread.start()
+    time.sleep(0.2)
+    new = CachedDataset(Listed([(torch.full((512,), 2, dtype=torch.uint8), k) for k in range(n)]), cache_dir,
+                        fingerprint="fp", overwrite=True, spot_check=0)  # fmt: skip
+    time.sleep(0.1)
+    stop.set()
+    thread.join(timeout=60)
+    new.flush()
+    stray = [i for i in new._live_store().iter_keys() if int(new[i][0][0]) != 2]
+    assert stray == []
+    new.close()
+    old.close()

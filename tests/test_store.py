@@ -335,3 +335,18 @@ def test_an_lmdb_error_while_reading_becomes_a_library_error(cache_dir):
         for i in range(300):
             ds[i]
     assert str(cache_dir) in str(info.value)
+
+
+def test_a_cache_grown_past_its_map_size_can_be_rebuilt_and_upgraded(cache_dir):
+    """LMDB maps a file larger than map_size at exactly its size; a rebuild or metadata update still has room."""
+    big = Listed([(torch.full((1 << 18,), k, dtype=torch.uint8), k) for k in range(12)])  # 3 MiB in a 1 MiB map
+    with CachedDataset(big, cache_dir, map_size=1 << 20) as ds:
+        ds.__getitems__(list(range(12)))
+    _registry._stores.clear()
+    _set_meta(cache_dir, lambda m: {**m, "format_version": 1})  # as v0.1.0 wrote it: opening upgrades it in place
+    with CachedDataset(big, cache_dir, map_size=1 << 20) as ds:
+        assert ds._live_store().meta()["format_version"] == lmdbcache.FORMAT_VERSION
+    _registry._stores.clear()
+    with CachedDataset(big, cache_dir, map_size=1 << 20, overwrite=True) as ds:
+        assert ds.cached_count == 0
+        assert ds[3][1] == 3
