@@ -86,6 +86,11 @@ class CommitQueue:
             self._ensure_thread()
             self._cond.notify_all()  # the thread re-reads the deadline (it may have been idle)
 
+    @property
+    def busy(self) -> bool:
+        """A batch is being written right now (by the thread, or by a caller's put_many)."""
+        return self._busy
+
     def lookup(self, index: int) -> bytes | None:
         value = self.pending.get(index)
         return self.inflight.get(index) if value is None else value

@@ -17,7 +17,7 @@ from ._commit import Policy
 from ._diff import first_difference
 from .codec import decode, encode
 from .errors import CacheMismatchError, InvalidOptionError, SampleNotCachedError
-from .store import MISSING, Store, check_options
+from .store import MISSING, Store, check_options, parse_size
 
 __all__ = ["CachedDataset", "default_fingerprint"]
 
@@ -128,7 +128,7 @@ class CachedDataset(Dataset):
         self.path = os.path.abspath(os.fspath(path))
         self.transform = transform
         self._options = dict(map_size=map_size, max_readers=max_readers)
-        self._policy = Policy(commit_every, commit_bytes, commit_interval)
+        self._policy = Policy(commit_every, parse_size(commit_bytes, "commit_bytes"), commit_interval)
         self._always = checksum == "always"
         length = None if dataset is None else _dataset_length(dataset)
         if dataset is not None and fingerprint is None:
@@ -170,7 +170,7 @@ class CachedDataset(Dataset):
         store = self._store
         if store is None or store.pid != _registry._pid or store.build is not self._build:
             store = self._live_store()
-        sample = store.get(index, self._always)
+        sample = store.get(index, self._always, self._build)
         if sample is MISSING:
             sample = self._fill([index], store)[0]
         transform = self.transform
@@ -181,7 +181,7 @@ class CachedDataset(Dataset):
         n = self._length
         indices = [i if type(i) is int and 0 <= i < n else self._index(i) for i in indices]
         store = self._live_store()
-        samples = store.get_many(indices, self._always)
+        samples = store.get_many(indices, self._always, self._build)
         misses = [k for k, sample in enumerate(samples) if sample is MISSING]
         if misses:
             filled = self._fill([indices[k] for k in misses], store)

@@ -24,7 +24,7 @@ from ._commit import Policy
 from .codec import encode
 from .dataset import _dataset_length, default_fingerprint
 from .errors import InvalidOptionError, LmdbCacheError, NondeterministicDatasetError, SourceItemError
-from .store import check_options
+from .store import check_options, parse_size
 
 # A commit per ~10 s of work is plenty here: big batches make few syncs.
 _COMMIT_INTERVAL = 10.0
@@ -163,13 +163,15 @@ def precompute(
         )
         # Queued under this run's own commit policy and build (the store may be shared in-process).
         add = functools.partial(
-            store.add, build=meta["cache_id"], policy=Policy(commit_every, commit_bytes, _COMMIT_INTERVAL)
+            store.add, build=meta["cache_id"], policy=Policy(commit_every, parse_size(commit_bytes), _COMMIT_INTERVAL)
         )
         todo = _not_cached(store, todo_range, length)
         skipped = len(todo_range) - len(todo)
         written, interrupted = 0, False
         if todo and check_determinism > 0:
-            written += _check_determinism(dataset, todo, check_determinism, allow_nondeterministic, store)
+            written += _check_determinism(
+                dataset, todo, check_determinism, allow_nondeterministic, store, meta["cache_id"]
+            )
             todo = todo[check_determinism:]
         try:
             written += _write_all(dataset, todo, store, add, num_workers, batch_size, progress)
@@ -212,7 +214,7 @@ def _not_cached(store: _store.Store, indices: range, length: int) -> list[int]:
     return [i for i in indices if not (i in done if isinstance(done, set) else done[i])]
 
 
-def _check_determinism(dataset: Any, todo: list[int], count: int, allow: bool, store: _store.Store) -> int:
+def _check_determinism(dataset: Any, todo: list[int], count: int, allow: bool, store: _store.Store, build: str) -> int:
     """Decode the first ``count`` pending indices twice; queue them (they are decoded already)."""
     checked = todo[:count]
     values = []
@@ -225,7 +227,7 @@ def _check_determinism(dataset: Any, todo: list[int], count: int, allow: bool, s
                 "CachedDataset(transform=...), or pass --allow-nondeterministic if the difference is harmless."
             )
         values.append((index, first))
-    return store.put_many(values)
+    return store.put_many(values, build)
 
 
 def _encode_source(dataset: Any, index: int) -> bytes:

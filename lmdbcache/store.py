@@ -182,7 +182,11 @@ class Store:
         # The build id (``cache_id``) this process adopted and checked; a rebuild gives the cache a
         # new one. Reads and writes verify it. A plain attribute: datasets compare it per sample.
         self.build: str | None = None
-        self._queue = CommitQueue(self._lock, self._write_batch, Policy(commit_every, commit_bytes, commit_interval))
+        self._queue = CommitQueue(
+            self._lock,
+            self._write_batch,
+            Policy(commit_every, parse_size(commit_bytes, "commit_bytes"), commit_interval),
+        )
         self._meta: dict[str, Any] | None = None
         self._meta_raw: bytes = b""  # the metadata record as adopted: a rebuild changes it
         # Why this process may no longer use the build it adopted (set when a rebuild is seen).
@@ -200,8 +204,9 @@ class Store:
     def reconcile(self, map_size: int, max_readers: int) -> None:
         """Another object asks for this open store with its own per-environment options.
 
-        A larger map is honoured (the map is grown now); a different reader table cannot be
-        (LMDB fixes it when the first process opens the environment), which is a warning.
+        A larger map is honoured (applied before the next commit, or when the environment
+        opens); a different reader table cannot be (LMDB fixes it when the first process opens
+        the environment), which is a warning.
         """
         if max_readers != self.max_readers:
             warnings.warn(
@@ -213,15 +218,9 @@ class Store:
             )
         map_size = min(parse_size(map_size), _MAX_MAP)
         if map_size > self.map_size:
-            with self._lock:
-                self.map_size = map_size
-                env = self._env
-                if env is not None and env.info()["map_size"] < map_size:
-                    self._drop_reader()
-                    try:
-                        env.set_mapsize(map_size)
-                    except lmdb.Error as exc:
-                        raise _translate(exc, self.path, "growing the map of") from exc
+            # Applied by the next commit's _reserve, under the write lock: set_mapsize while this
+            # process's committer thread has a write transaction open would fail.
+            self.map_size = map_size
 
     def __repr__(self) -> str:
         state = "open" if self._env is not None else "closed"
@@ -305,6 +304,7 @@ class Store:
             return self._check_meta(found[0], length, fingerprint), found[1]
 
         self._check_dir(overwrite)  # before the lock file is created: refuse without touching anything
+        self._check_free_space()
         with self._write_lock():
             self._check_dir(overwrite)
             if not self._check_data_file(overwrite):
@@ -330,6 +330,19 @@ class Store:
             if length is not None and meta["format_version"] < FORMAT_VERSION:
                 return self._upgrade_meta(env, meta)  # this process may add values: they are this format's
             return found
+
+    def _check_free_space(self) -> None:
+        """Refuse to create LMDB's files on a full disk: LMDB writes lock.mdb through a memory map,
+        and a page the filesystem cannot back kills the process with SIGBUS instead of an error."""
+        if os.path.exists(os.path.join(self.path, LOCK_FILE)):
+            return
+        need = _MIB + 64 * self.max_readers + 8192
+        free = shutil.disk_usage(self.path).free
+        if free < need:
+            raise CacheFullError(
+                f"The disk holding '{self.path}' is full ({free:,} bytes free; creating a cache needs at least "
+                f"{need:,}). Free some space or choose another location."
+            )
 
     def _check_dir(self, overwrite: bool) -> None:
         """Refuse a directory holding other files and no cache, unless asked to create one beside them."""
@@ -482,7 +495,9 @@ class Store:
     def _adopt(self, meta: dict[str, Any], raw: bytes) -> None:
         if meta["cache_id"] != self.build:
             self._verified = None  # flags of another build's values
-        self._meta, self._meta_raw, self.build, self._stale = meta, raw, meta["cache_id"], None
+        if meta["cache_id"] != self.build:  # else keep the same object: datasets compare by identity
+            self.build = meta["cache_id"]
+        self._meta, self._meta_raw, self._stale = meta, raw, None
         length = meta["length"]
         verified = self._verified
         if length <= _VERIFIED_MAX and (verified is None or len(verified) < length):
@@ -606,9 +621,12 @@ class Store:
             "builder": f"pid {os.getpid()} on {socket.gethostname()}",
         }
         raw = msgpack.packb(meta)
-        with env.begin(write=True) as txn:
-            txn.drop(self._samples, delete=False)
-            txn.put(_META_KEY, raw, db=self._meta_db)
+        try:
+            with env.begin(write=True) as txn:
+                txn.drop(self._samples, delete=False)
+                txn.put(_META_KEY, raw, db=self._meta_db)
+        except lmdb.Error as exc:
+            raise _write_failure(exc, self.path, "the cache was not created or rebuilt") from exc
         return meta, raw
 
     def _upgrade_meta(self, env: lmdb.Environment, meta: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
@@ -620,8 +638,11 @@ class Store:
         meta = {k: v for k, v in meta.items() if k != "codec"}
         meta["upgraded_from"], meta["format_version"] = meta["format_version"], FORMAT_VERSION
         raw = msgpack.packb(meta)
-        with env.begin(write=True) as txn:
-            txn.put(_META_KEY, raw, db=self._meta_db)
+        try:
+            with env.begin(write=True) as txn:
+                txn.put(_META_KEY, raw, db=self._meta_db)
+        except lmdb.Error as exc:
+            raise _write_failure(exc, self.path, "the metadata was not updated; nothing was lost") from exc
         return meta, raw
 
     def _check_meta(self, meta: dict[str, Any], length: int | None, fingerprint: str | None) -> dict[str, Any]:
@@ -715,16 +736,19 @@ class Store:
             "open a cache sizes its reader table)."
         )
 
-    def get(self, index: int, always: bool = False) -> Any:
-        """The decoded sample at ``index``, or ``MISSING``. The hot path: kept flat.
+    def get(self, index: int, always: bool = False, build: str | None = None) -> Any:
+        """The decoded sample at ``index`` of the build ``build``, or ``MISSING``. The hot path: kept flat.
 
         The value's structure (and its binding to ``index``) is checked on every read; its
         record's bounds (``_guard``) and data checksum the first time this process reads the
-        index, or every time if ``always``.
+        index, or every time if ``always``. The build is checked under the lock, so a rebuild
+        by another object in this process can never slip between a caller's check and the read.
         """
         lock = self._lock
         lock.acquire()  # not `with`: half the cost, and this runs once per sample
         try:
+            if build is not self.build and build is not None and build != self.build:
+                raise self.mismatch(build)
             txn = self._rtxn
             if txn is None or _monotonic() >= self._rtxn_expires:
                 txn = self._reader()
@@ -767,9 +791,11 @@ class Store:
         except lmdb.Error as exc:
             raise self._read_failure(exc, index) from exc
 
-    def get_many(self, indices: list[int], always: bool = False) -> list[Any]:
-        """Decode a batch in one read transaction; misses come back as ``MISSING``."""
+    def get_many(self, indices: list[int], always: bool = False, build: str | None = None) -> list[Any]:
+        """Decode a batch of the build ``build`` in one read transaction; misses come back as ``MISSING``."""
         with self._lock:
+            if build is not None and build != self.build:
+                raise self.mismatch(build)
             txn = self._reader()
             get, decode, fetch, verified = txn.get, self._decode, self._fetch, self._verified
             out = []
@@ -962,13 +988,16 @@ class Store:
         """Samples this process's commits have written (indices already present are not counted)."""
         return self._queue.written
 
-    def put_many(self, items: Iterable[tuple[int, bytes]]) -> int:
-        """Write (index, value) pairs now, in one transaction, skipping indices already present.
+    def put_many(self, items: Iterable[tuple[int, bytes]], build: str | None = None) -> int:
+        """Write (index, value) pairs of the build ``build`` now, in one transaction, skipping indices present.
 
-        Returns the number of records actually written.
+        Returns the number of records actually written. A rebuild waits for the write (the
+        batch is in flight), so the build checked here is the one written into.
         """
         batch = sorted(items)
         with self._lock:
+            if build is not None and build != self.build:
+                raise self.mismatch(build)
             self._queue.begin_direct(batch)
         try:
             return self._write_batch(batch)
@@ -1031,11 +1060,17 @@ class Store:
             )
 
     def _reserve(self, env: lmdb.Environment, need: int) -> None:
-        """Grow the map before a commit that would not fit, so it rarely has to be retried."""
+        """Grow the map before a commit that would not fit, so it rarely has to be retried.
+
+        Also applies a larger ``map_size`` another object asked for (``reconcile``).
+        """
         info = env.info()
         used = (info["last_pgno"] + 1) * env.stat()["psize"]
         if used + 2 * need + _MIB > info["map_size"]:
             self._grow(env, need)
+        elif info["map_size"] < self.map_size:
+            self._drop_reader()
+            env.set_mapsize(self.map_size)
 
     def _grow(self, env: lmdb.Environment, need: int) -> None:
         self._drop_reader()  # set_mapsize invalidates every transaction of this process
@@ -1052,7 +1087,10 @@ class Store:
             try:
                 self._queue.stop()
             finally:
-                self._close_env()
+                # A second Ctrl-C can end stop() while the thread is still writing: its transaction
+                # must not lose its environment under it. The environment closes on a later close().
+                if not self._queue.busy:
+                    self._close_env()
 
     def before_fork(self) -> None:
         """Commit, stop the committer thread and close the environment; the lock stays held across the fork."""
@@ -1062,7 +1100,8 @@ class Store:
         except Exception:
             pass  # the samples stay queued in the parent; the error resurfaces on its next commit
         finally:
-            self._close_env()
+            if not self._queue.busy:
+                self._close_env()
 
     def after_fork(self, in_child: bool) -> None:
         if in_child:

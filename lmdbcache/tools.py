@@ -539,7 +539,7 @@ def merge(
     written = skipped = 0
     target = _registry.acquire(out_path, map_size=max(64 << 20, _total_size(shard_paths)))
     try:
-        target.initialize(length=length, fingerprint=first["fingerprint"])
+        build = target.initialize(length=length, fingerprint=first["fingerprint"])["cache_id"]
         for path in shard_paths:
             source = _open(path)
             try:
@@ -548,12 +548,12 @@ def merge(
                     _check_shard_value(path, index, value, length)
                     pending.append((index, value))
                     if len(pending) >= batch:
-                        added = target.put_many(pending)
+                        added = target.put_many(pending, build)
                         written, skipped = written + added, skipped + len(pending) - added
                         pending = []
                     if progress is not None:
                         progress(1)
-                added = target.put_many(pending)
+                added = target.put_many(pending, build)
                 written, skipped = written + added, skipped + len(pending) - added
             finally:
                 _registry.release(source)

@@ -14,10 +14,19 @@ from pathlib import Path
 
 import lmdb
 import pytest
+import torch
 from helpers import Synthetic, assert_same, sample_for, small_disk
 from test_processes import check_cache, wait_for_count
 
-from lmdbcache import FORMAT_VERSION, CachedDataset, SampleNotCachedError, _registry, precompute, tools
+from lmdbcache import (
+    FORMAT_VERSION,
+    CachedDataset,
+    CacheMismatchError,
+    SampleNotCachedError,
+    _registry,
+    precompute,
+    tools,
+)
 from lmdbcache._scan import TEST_SIGNAL
 from lmdbcache.cli import load_spec
 
@@ -659,3 +668,20 @@ def test_merge_verifies_each_value_against_its_index(tmp_path):
     damage_entries(a, lambda txn: txn.put(key(6), txn.get(key(2))))
     line = one_line_error(cli("merge", str(tmp_path / "out"), str(a), "--quiet", check=1))
     assert f"Shard '{a}': index 6 is damaged" in line and "verify --repair" in line
+
+
+def test_determinism_check_samples_never_reach_a_build_made_meanwhile(cache_dir):
+    """precompute's first samples are written with its build id: a rebuild in between makes it fail, not mix."""
+    from helpers import Listed
+
+    with CachedDataset(Synthetic(20), cache_dir) as ds:
+        ds[0]
+    store = _registry.acquire(str(cache_dir))
+    build = store.initialize(length=20, fingerprint="Synthetic:20")["cache_id"]
+    CachedDataset(Listed([(torch.zeros(1), k) for k in range(20)]), cache_dir, fingerprint="Synthetic:20",
+                  overwrite=True).close()  # fmt: skip
+    from lmdbcache.codec import encode
+
+    with pytest.raises(CacheMismatchError, match="rebuilt"):
+        store.put_many([(5, encode(sample_for(5), 5))], build)
+    _registry.release(store)

@@ -478,11 +478,11 @@ def test_a_second_dataset_on_one_path_keeps_its_own_options(cache_dir):
         second = CachedDataset(
             Synthetic(50), cache_dir, checksum="always", commit_every=1, map_size="1GiB", max_readers=64
         )
-    assert second._live_store().env_info()["map_size"] >= 1 << 30
     second[3]  # commit_every=1: committed at once, whatever the first object asked for
     from test_commit import committed, wait_until
 
     assert wait_until(lambda: committed(cache_dir) == 1, timeout=5)
+    assert second._live_store().env_info()["map_size"] >= 1 << 30  # applied before that commit
     first[4]
     time.sleep(0.3)
     assert committed(cache_dir) == 1  # the first object's own policy: not yet
@@ -537,3 +537,10 @@ def test_a_rebuild_racing_the_old_objects_misses_keeps_them_out_of_the_new_build
     assert stray == []
     new.close()
     old.close()
+
+
+def test_commit_bytes_takes_a_size_string(cache_dir):
+    """commit_bytes='1GiB' is accepted and works (it was validated but then compared as a string)."""
+    with CachedDataset(Synthetic(4), cache_dir, commit_bytes="1GiB") as ds:
+        assert ds[0][1] == 0
+        assert ds.flush() == 1

@@ -313,3 +313,62 @@ def test_a_rebuild_by_another_process_is_noticed_on_the_next_read_transaction(ca
         assert check.fingerprint == "dataset-B" and [check[k][1] for k in range(8)] == list(range(100, 108))
     with CachedDataset(Listed([(torch.ones(3), 100 + k) for k in range(8)]), cache_dir, fingerprint="dataset-B") as b:
         assert b[2][1] == 102  # a new dataset object in the same process adopts the new build
+
+
+def test_a_new_object_opens_the_new_build_though_an_old_one_had_misses_queued(cache_dir):
+    """After another process rebuilt the cache, constructing the dataset again works; the old queue is dropped."""
+    old = CachedDataset(Synthetic(10), cache_dir, commit_interval=60)
+    old[0]  # queued, not committed
+    run_script(
+        "import sys; from helpers import Synthetic; from lmdbcache import CachedDataset\n"
+        "CachedDataset(Synthetic(10), sys.argv[1], overwrite=True).close()",
+        str(cache_dir),
+    )
+    new = CachedDataset(Synthetic(10), cache_dir)
+    assert_same(new[1], sample_for(1))
+    assert new.cached_count == 1  # index 0 of the old build was not written into the new one
+    with pytest.raises(CacheMismatchError):
+        old[2]
+    new.close()
+    old.close()
+
+
+def test_an_old_object_never_reads_the_build_a_new_object_adopted(cache_dir):
+    """Another process rebuilt with other data; a new object here adopts it; the old object raises, never serves it."""
+    import threading
+
+    from helpers import Listed
+
+    n = 200
+    old = CachedDataset(Listed([(torch.ones(4), k) for k in range(n)]), cache_dir, fingerprint="fp")
+    old.__getitems__(list(range(n)))
+    old.flush()
+    run_script(
+        "import sys, torch; from helpers import Listed; from lmdbcache import CachedDataset\n"
+        f"ds = CachedDataset(Listed([(torch.full((4,), 2.0), k) for k in range({n})]), sys.argv[1], fingerprint='fp',"
+        " overwrite=True)\n"
+        f"ds.__getitems__(list(range({n}))); ds.close()",
+        str(cache_dir),
+    )
+    served_new: list[int] = []
+    stop = threading.Event()
+
+    def read_old() -> None:
+        while not stop.is_set():
+            for i in range(n):
+                try:
+                    if float(old[i][0][0]) != 1.0:
+                        served_new.append(i)
+                except CacheMismatchError:
+                    pass
+
+    thread = threading.Thread(target=read_old)
+    thread.start()
+    for _ in range(5):
+        new = CachedDataset(Listed([(torch.full((4,), 2.0), k) for k in range(n)]), cache_dir, fingerprint="fp")
+        new[0]
+        time.sleep(0.05)
+    stop.set()
+    thread.join(timeout=60)
+    assert served_new == []
+    old.close()

@@ -350,3 +350,23 @@ def test_a_cache_grown_past_its_map_size_can_be_rebuilt_and_upgraded(cache_dir):
     with CachedDataset(big, cache_dir, map_size=1 << 20, overwrite=True) as ds:
         assert ds.cached_count == 0
         assert ds[3][1] == 3
+
+
+def test_creating_a_cache_on_a_full_disk_is_a_clear_error(tmp_path):
+    """A full disk at creation is CacheFullError, before LMDB maps a lock file it cannot back (SIGBUS)."""
+    from helpers import small_disk
+
+    with small_disk(tmp_path, "4m") as mount:
+        filler = mount / "filler"
+        with open(filler, "wb") as f:
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+        code = (
+            "import sys; from helpers import Synthetic; from lmdbcache import CachedDataset, CacheFullError\n"
+            "try:\n    CachedDataset(Synthetic(3), sys.argv[1])\nexcept CacheFullError as exc:\n    print('full', exc)"
+        )
+        out = run_script(code, str(mount / "c"))  # a child: a SIGBUS would kill it, not the test run
+        assert out.stdout.startswith("full") and "is full" in out.stdout
+        filler.unlink()
