@@ -49,8 +49,15 @@ class _Committer:
 
 
 class CommitQueue:
-    def __init__(self, lock: threading.Lock, write: Callable[[Batch], int], policy: Policy) -> None:
+    def __init__(
+        self,
+        lock: threading.Lock,
+        write: Callable[[Batch], int],
+        policy: Policy,
+        on_idle: Callable[[], None] | None = None,
+    ) -> None:
         self._cond = threading.Condition(lock)
+        self._on_idle = on_idle  # called by the thread, with the lock held, after each batch
         self._write = write  # called on the thread, without the lock: it takes what it needs
         self.policy = policy  # the default for add() calls that bring none
         self.pending: dict[int, bytes] = {}
@@ -204,4 +211,6 @@ class CommitQueue:
                 self.written += written
                 if error is not None:
                     self._error = error
+                if self._on_idle is not None:
+                    self._on_idle()
                 cond.notify_all()

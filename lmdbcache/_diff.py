@@ -44,6 +44,8 @@ def first_difference(cached: Any, fresh: Any, where: str = "sample") -> str | No
     if hasattr(cached, "tobytes") and hasattr(cached, "mode"):  # a PIL image
         if (cached.mode, cached.size) != (fresh.mode, fresh.size):
             return f"{where} is a {cached.mode} image of {cached.size} in the cache but {fresh.mode} {fresh.size} now"
+        if cached.getpalette() != fresh.getpalette():
+            return f"{where}: the image's palette differs"
         return None if cached.tobytes() == fresh.tobytes() else f"{where}: the image's pixel values differ"
     if cached != cached and fresh != fresh:  # NaN
         return None

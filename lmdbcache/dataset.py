@@ -261,7 +261,7 @@ class CachedDataset(Dataset):
     def _spot_check(self, store: Store, count: int) -> None:
         """Re-decode ``count`` random cached indices and compare them with the cache (see ``spot_check``)."""
         rng = random.Random()
-        starts = [rng.randrange(self._length) for _ in range(count)] if self._length else []
+        starts = [rng.randrange(self._length) for _ in range(min(count, self._length))]
         for index in store.cached_near(starts):
             stored = store.raw(index)
             if stored is None:

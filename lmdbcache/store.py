@@ -105,7 +105,7 @@ _SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2
                "T": 1000**4, "TB": 1000**4, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}  # fmt: skip
 
 
-def parse_size(value: Any, name: str = "map_size") -> int:
+def parse_size(value: Any, name: str = "map_size", minimum: int = 1) -> int:
     """A byte count from an int or a string such as ``"64MiB"``, ``"1GB"``, ``"512 M"``; InvalidOptionError if not."""
     if isinstance(value, str):
         match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", value)
@@ -119,6 +119,8 @@ def parse_size(value: Any, name: str = "map_size") -> int:
         raise InvalidOptionError(
             f"{name} must be a positive number of bytes (or a string such as '1GiB'), not {value!r}."
         )
+    if value < minimum:
+        raise InvalidOptionError(f"{name} must be at least {minimum:,} bytes, not {value:,}.")
     return value
 
 
@@ -132,7 +134,7 @@ def check_options(
     checksum: Any,
 ) -> None:
     """Refuse out-of-range options with one clear error each (before anything is opened)."""
-    parse_size(map_size)
+    parse_size(map_size, "map_size", _MIB)  # LMDB needs a few pages before the map can grow
     for name, value in (("max_readers", max_readers), ("commit_every", commit_every)):
         if type(value) is not int or value < 1:
             raise InvalidOptionError(f"{name} must be an integer >= 1, not {value!r}.")
@@ -186,6 +188,7 @@ class Store:
             self._lock,
             self._write_batch,
             Policy(commit_every, parse_size(commit_bytes, "commit_bytes"), commit_interval),
+            on_idle=self._idle,
         )
         self._meta: dict[str, Any] | None = None
         self._meta_raw: bytes = b""  # the metadata record as adopted: a rebuild changes it
@@ -200,6 +203,7 @@ class Store:
         self._locked = True  # False on a read-only mount opened without LMDB's lock table
         self._last_reader_check = 0.0
         self._guard: MapGuard | None = None
+        self._close_when_idle = False  # close() was interrupted while a batch was being written
 
     def reconcile(self, map_size: int, max_readers: int) -> None:
         """Another object asks for this open store with its own per-environment options.
@@ -600,9 +604,17 @@ class Store:
                     f"Cache '{self.path}' has damaged metadata: field '{field}' is missing. {_REBUILD}"
                 )
             value = meta[field]
-            if type(value) is not kind or (type(value) is int and value < 0) or (field == "cache_id" and not value):
+            if (
+                type(value) is not kind
+                or (type(value) is int and not 0 <= value < 2**63)
+                or (field == "cache_id" and not value)
+            ):
                 expected = (
-                    "an integer >= 0" if kind is int else "a non-empty string" if field == "cache_id" else "a string"
+                    "an integer from 0 to 2**63 - 1"
+                    if kind is int
+                    else "a non-empty string"
+                    if field == "cache_id"
+                    else "a string"
                 )
                 raise CorruptCacheError(
                     f"Cache '{self.path}' has damaged metadata: field '{field}' is {value!r:.80}, expected {expected}. "
@@ -1088,9 +1100,17 @@ class Store:
                 self._queue.stop()
             finally:
                 # A second Ctrl-C can end stop() while the thread is still writing: its transaction
-                # must not lose its environment under it. The environment closes on a later close().
-                if not self._queue.busy:
+                # must not lose its environment under it. The thread closes it when done (_idle).
+                if self._queue.busy:
+                    self._close_when_idle = True
+                else:
                     self._close_env()
+
+    def _idle(self) -> None:
+        """Called by the commit thread, with the lock held, after each batch."""
+        if self._close_when_idle:
+            self._close_when_idle = False
+            self._close_env()
 
     def before_fork(self) -> None:
         """Commit, stop the committer thread and close the environment; the lock stays held across the fork."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import _thread
+import contextlib
 import os
 import subprocess
 import sys
@@ -150,3 +151,29 @@ def test_a_huge_commit_interval_never_kills_the_committer(cache_dir):
     assert done.wait(30), "flush() hung: the committer thread died"
     assert ds.cached_count == 1
     ds.close()
+
+
+def test_ctrl_c_twice_during_close_leaves_the_cache_usable(cache_dir):
+    """Two KeyboardInterrupts during close() while a batch is written: the environment closes after the write."""
+    ds = CachedDataset(Synthetic(100), cache_dir, commit_every=10_000, commit_interval=60)
+    store = ds._live_store()
+    real_write = store._queue._write
+
+    def slow_write(batch):
+        time.sleep(1.0)
+        return real_write(batch)
+
+    store._queue._write = slow_write
+    ds.__getitems__(list(range(100)))
+    threading.Timer(0.2, _thread.interrupt_main).start()
+    threading.Timer(0.4, _thread.interrupt_main).start()
+    with contextlib.suppress(KeyboardInterrupt):
+        try:
+            ds.close()
+        except KeyboardInterrupt:
+            time.sleep(0.5)  # the second one may land here
+            raise
+    time.sleep(1.5)  # the write ends; the thread closes the environment
+    with CachedDataset.open(cache_dir) as again:
+        assert again.cached_count == 100
+        assert_same(again[5], sample_for(5))

@@ -436,6 +436,7 @@ def test_default_fingerprint_tells_generic_wrappers_apart(cache_dir):
     [
         ({"map_size": -1}, "map_size must be a positive number of bytes"),
         ({"map_size": "lots"}, "map_size='lots' is not a size"),
+        ({"map_size": 8192}, "map_size must be at least 1,048,576 bytes"),
         ({"commit_every": 0}, "commit_every must be an integer >= 1"),
         ({"commit_interval": 0}, "commit_interval must be a number of seconds > 0"),
         ({"commit_bytes": -5}, "commit_bytes must be a positive number"),
@@ -544,3 +545,24 @@ def test_commit_bytes_takes_a_size_string(cache_dir):
     with CachedDataset(Synthetic(4), cache_dir, commit_bytes="1GiB") as ds:
         assert ds[0][1] == 0
         assert ds.flush() == 1
+
+
+def test_spot_check_sees_a_changed_palette_and_caps_its_count(cache_dir):
+    """A PIL palette change is a difference; a huge spot_check on a small cache costs no more than its length."""
+    from PIL import Image
+
+    def images(rgb):
+        out = []
+        for k in range(4):
+            im = Image.new("P", (2, 2), k % 2)
+            im.putpalette(list(rgb) * 2)
+            out.append(im)
+        return Listed(out)
+
+    with CachedDataset(images((255, 0, 0)), cache_dir) as ds:
+        ds.__getitems__(list(range(4)))
+    with pytest.raises(CacheMismatchError, match="palette differs"):
+        CachedDataset(images((0, 0, 255)), cache_dir)
+    start = time.perf_counter()
+    CachedDataset(images((255, 0, 0)), cache_dir, spot_check=10**9).close()
+    assert time.perf_counter() - start < 5

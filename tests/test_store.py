@@ -257,15 +257,26 @@ def _set_meta(path, change) -> None:
     ("change", "error", "match"),
     [
         (lambda m: {k: v for k, v in m.items() if k != "cache_id"}, CorruptCacheError, "field 'cache_id' is missing"),
-        (lambda m: {**m, "length": -1}, CorruptCacheError, "field 'length' is -1, expected an integer >= 0"),
+        (lambda m: {**m, "length": -1}, CorruptCacheError, "field 'length' is -1, expected an integer from 0"),
         (lambda m: {**m, "length": "4"}, CorruptCacheError, "field 'length' is '4'"),
+        (lambda m: {**m, "length": 2**64 - 1}, CorruptCacheError, "field 'length' is 18446744073709551615"),
         (lambda m: {k: v for k, v in m.items() if k != "fingerprint"}, CorruptCacheError, "'fingerprint' is missing"),
         (lambda m: {**m, "cache_id": ""}, CorruptCacheError, "field 'cache_id' is ''"),
         (lambda m: {**m, "format_version": "2"}, CorruptCacheError, "'format_version' is '2', not an integer"),
         (lambda m: [1, 2], NotACacheError, "metadata is not lmdbcache's"),
         (lambda m: {**m, "format_version": 99}, CacheMismatchError, "format 99.*upgrade lmdbcache"),
     ],
-    ids=["no-cache_id", "length--1", "length-str", "no-fingerprint", "empty-id", "format-str", "not-a-map", "newer"],
+    ids=[
+        "no-cache_id",
+        "length--1",
+        "length-str",
+        "length-huge",
+        "no-fingerprint",
+        "empty-id",
+        "format-str",
+        "not-a-map",
+        "newer",
+    ],
 )
 def test_hostile_metadata_is_a_clear_error(cache_dir, change, error, match):
     """Hand-edited or hostile metadata is refused naming the field, with and without the source; nothing is lost."""
