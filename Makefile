@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: install test stress demo lint bench clean
+.PHONY: install ci test stress demo lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
@@ -23,6 +23,9 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 install: $(STAMP)
+
+# Every check, as CI runs it (.ci/run): lint, types, then the tests.
+ci: lint test
 
 # tests/stress runs here in its short form; `make stress` runs it long (minutes).
 test: install
