@@ -47,16 +47,68 @@ def tensors(draw):
 
 numpy_scalars = numpy_arrays().filter(lambda a: a.size > 0).map(lambda a: a.reshape(-1)[0])
 
+STRUCT_LEAF_DTYPES = [
+    "|b1", "|i1", "<i2", ">i4", "<u8", "<f2", ">f8", "<c8", "|S3", "<U2", "|V2", "<M8[s]", ">m8[ms]",
+]  # fmt: skip
+
+
+@st.composite
+def structured_dtypes(draw, depth=0):
+    """Structured dtypes with padding, explicit offsets or align=True, titles, nested structs and subarrays."""
+    names = draw(
+        st.lists(st.text("abcxyz", min_size=1, max_size=3), min_size=0 if depth else 1, max_size=4, unique=True)
+    )
+    formats = []
+    for _ in names:
+        kind = draw(st.sampled_from(["leaf", "leaf", "subarray", "nested"] if depth < 2 else ["leaf", "subarray"]))
+        if kind == "nested":
+            formats.append(draw(structured_dtypes(depth + 1)))
+            continue
+        leaf = np.dtype(draw(st.sampled_from(STRUCT_LEAF_DTYPES)))
+        if kind == "subarray":
+            leaf = np.dtype((leaf, tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=2)))))
+        formats.append(leaf)
+    spec = {"names": names, "formats": formats}
+    if draw(st.booleans()):
+        spec["titles"] = [f"T{name}" if draw(st.booleans()) else None for name in names]
+    if draw(st.booleans()):
+        return np.dtype(spec, align=True)  # numpy places the fields and pads the end
+    offsets, end = [], 0
+    for fmt in formats:  # explicit offsets with padding between fields and after the last
+        end += draw(st.integers(0, 3))
+        offsets.append(end)
+        end += fmt.itemsize
+    return np.dtype({**spec, "offsets": offsets, "itemsize": end + draw(st.integers(0, 4))})
+
+
+@st.composite
+def structured_arrays(draw, contiguous=False):
+    """C-contiguous (or, unless ``contiguous``, strided) arrays of random bytes, padding bytes included."""
+    dtype = draw(structured_dtypes())
+    shape = draw(shapes)
+    n = int(np.prod(shape)) if shape else 1
+    raw = draw(st.binary(min_size=n * dtype.itemsize, max_size=n * dtype.itemsize))
+    arr = np.ndarray(shape, dtype, bytearray(raw)) if dtype.itemsize else np.empty(shape, dtype)
+    if not contiguous and arr.ndim >= 1 and draw(st.booleans()):
+        arr = arr[::-1]  # non-contiguous input: the padding must still come back
+    return arr
+
+
+structured_scalars = structured_arrays(contiguous=True).filter(lambda a: a.size > 0).map(lambda a: a.reshape(-1)[0])
+
 scalars = st.one_of(
     st.none(),
     st.booleans(),
     st.integers(min_value=-(2**70), max_value=2**70),
+    st.integers(min_value=-(10**400), max_value=10**400),
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=20),
     st.binary(max_size=20),
 )
 keys = st.one_of(st.text(max_size=8), st.integers(min_value=-(2**40), max_value=2**40))
-leaves = st.one_of(scalars, tensors(), numpy_arrays(), numpy_scalars)
+leaves = st.one_of(
+    scalars, tensors(), numpy_arrays(), numpy_scalars, structured_arrays(contiguous=True), structured_scalars
+)
 samples = st.recursive(
     leaves,
     lambda children: st.one_of(
