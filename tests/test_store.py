@@ -31,8 +31,18 @@ from lmdbcache import (
 GOLDEN = Path(__file__).parent / "data" / "golden-v1"
 
 
-def golden_samples():
-    """The samples stored in tests/data/golden-v1 (see tests/data/make_golden.py)."""
+def golden_samples(version: int = 1):
+    """The samples stored in tests/data/golden-v<version> (see tests/data/make_golden.py)."""
+    if version >= 2:
+        padded = np.dtype({"names": ["a", "b"], "formats": ["<u1", "<f8"], "offsets": [0, 8], "itemsize": 24})
+        records = np.zeros(2, dtype=padded)  # zeros: the padding bytes are stored too
+        records["a"], records["b"] = [1, 3], [2.5, -1.0]
+        return [
+            *golden_samples(1),
+            records,
+            {"big": 10**40, "neg": -(2**100), "deep": [[[(1,)]]]},
+            (torch.arange(6, dtype=torch.int16).reshape(2, 3).t(), np.float16(1.5), True),
+        ]
     return [
         (torch.arange(12, dtype=torch.uint8).reshape(3, 2, 2), 7),
         {
@@ -174,15 +184,19 @@ def test_foreign_lmdb_environment_is_refused(cache_dir):
     ds.close()
 
 
-def test_golden_format_1_cache_still_reads(tmp_path):
-    """The tiny cache written by format 1 (tests/data/golden-v1) decodes to exactly its samples."""
+@pytest.mark.parametrize("version", [1, 2])
+def test_golden_caches_still_read(tmp_path, version):
+    """The tiny caches written by formats 1 and 2 (tests/data/golden-v*) decode to exactly their samples."""
     copy = tmp_path / "golden"
     copy.mkdir()
-    shutil.copy(GOLDEN / "data.mdb", copy / "data.mdb")
+    shutil.copy(GOLDEN.parent / f"golden-v{version}" / "data.mdb", copy / "data.mdb")
     ds = CachedDataset.open(copy)
     meta = ds._live_store().meta()
-    assert meta["format_version"] == 1 and meta["codec"] == "lmdbcache-msgpack/1" and meta["fingerprint"] == "golden"
-    expected = golden_samples()
+    assert meta["format_version"] == version and meta["fingerprint"] == "golden"
+    assert version < lmdbcache.FORMAT_VERSION or version == lmdbcache.FORMAT_VERSION == 2, (
+        "a new format must keep reading golden-v1 and v2; add a golden directory beside them"
+    )
+    expected = golden_samples(version)
     assert len(ds) == len(expected) and ds.is_complete
     for i, sample in enumerate(expected):
         assert_same(ds[i], sample)

@@ -21,7 +21,8 @@ import lmdbcache  # noqa: E402
 out = HERE / f"golden-v{lmdbcache.FORMAT_VERSION}"
 if out.exists():
     sys.exit(f"{out} exists: golden caches are never rewritten")
-with lmdbcache.CachedDataset(Listed(golden_samples()), out, fingerprint="golden", map_size=1 << 20) as ds:
+samples = golden_samples(lmdbcache.FORMAT_VERSION)
+with lmdbcache.CachedDataset(Listed(samples), out, fingerprint="golden", map_size=1 << 20) as ds:
     ds.__getitems__(list(range(len(ds))))
 for name in ("lock.mdb", "lmdbcache.lock"):
     (out / name).unlink(missing_ok=True)
