@@ -67,6 +67,7 @@ class CommitQueue:
         # The strictest policy among the queued samples, and when the oldest must be committed.
         self._every = self._bytes = 0
         self._deadline = 0.0
+        self._strictest: Policy | None = None  # the policy last merged into the thresholds
         self._error: BaseException | None = None
         self._committer: _Committer | None = None
         self._busy = False  # a thread is writing the in-flight batch
@@ -78,20 +79,26 @@ class CommitQueue:
         if index in self.pending or index in self.inflight:
             return
         policy = policy or self.policy
-        deadline = time.monotonic() + policy.interval
+        wake = False
         if not self.pending:
-            self._every, self._bytes, self._deadline = policy.every, policy.bytes, deadline
-        else:
+            self._every, self._bytes, self._strictest = policy.every, policy.bytes, policy
+            self._deadline, wake = time.monotonic() + policy.interval, True
+        elif policy is not self._strictest:  # another object's policy joins the queued batch
+            self._strictest = policy
             self._every = min(self._every, policy.every)
             self._bytes = min(self._bytes, policy.bytes)
-            self._deadline = min(self._deadline, deadline)
+            deadline = time.monotonic() + policy.interval
+            if deadline < self._deadline:
+                self._deadline, wake = deadline, True
         self.pending[index] = value
         self.pending_bytes += len(value)
         if len(self.pending) >= self._every or self.pending_bytes >= self._bytes:
             self.hand_off()
-        else:
+        elif wake:
+            # Only when the deadline moved earlier (the first queued sample, or a stricter policy):
+            # waking the thread on every miss would cost a thread switch per sample.
             self._ensure_thread()
-            self._cond.notify_all()  # the thread re-reads the deadline (it may have been idle)
+            self._cond.notify_all()
 
     @property
     def busy(self) -> bool:
