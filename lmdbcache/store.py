@@ -752,8 +752,8 @@ class Store:
         """The decoded sample at ``index`` of the build ``build``, or ``MISSING``. The hot path: kept flat.
 
         The value's structure (and its binding to ``index``) is checked on every read; its
-        record's bounds (``_guard``) and data checksum the first time this process reads the
-        index, or every time if ``always``. The build is checked under the lock, so a rebuild
+        record's bounds (``_guard``) the first time this process reads the index; its data
+        checksum then too, or on every read if ``always``. The build is checked under the lock, so a rebuild
         by another object in this process can never slip between a caller's check and the read.
         """
         lock = self._lock
@@ -765,14 +765,14 @@ class Store:
             if txn is None or _monotonic() >= self._rtxn_expires:
                 txn = self._reader()
             verified = self._verified
-            if not always and verified is not None and index < len(verified) and verified[index]:
+            if verified is not None and index < len(verified) and verified[index]:
                 try:
                     raw = txn.get(_KEY(index))
                 except lmdb.Error as exc:
                     raise self._read_failure(exc, index) from exc
                 if raw is not None:
                     try:
-                        return _decode(raw, index, verify_data=False)
+                        return _decode(raw, index, verify_data=always)
                     except CorruptSampleError as exc:
                         raise self._corrupt(index, exc) from None
             else:
@@ -812,7 +812,7 @@ class Store:
             get, decode, fetch, verified = txn.get, self._decode, self._fetch, self._verified
             out = []
             for index in indices:
-                if not always and verified is not None and index < len(verified) and verified[index]:
+                if verified is not None and index < len(verified) and verified[index]:
                     try:
                         raw = get(_KEY(index))
                     except lmdb.Error as exc:
@@ -868,12 +868,12 @@ class Store:
     def _decode(self, raw: Any, index: int, always: bool = False) -> Any:
         verified = self._verified
         try:
-            if always or verified is None or index >= len(verified):
+            if verified is None or index >= len(verified):
                 return _decode(raw, index)
             if verified[index]:
-                return _decode(raw, index, verify_data=False)
+                return _decode(raw, index, verify_data=always)
             sample = _decode(raw, index)
-            verified[index] = 1
+            verified[index] = 1  # its record's bounds and data checksums passed in this process
             return sample
         except CorruptSampleError as exc:
             raise self._corrupt(index, exc) from None
