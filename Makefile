@@ -17,8 +17,9 @@ $(STAMP): pyproject.toml Makefile
 	else \
 		$(PYTHON) -m venv $(VENV); \
 	fi
-	@$(PY) -c "import torch" >/dev/null 2>&1 || \
-		$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	@$(PY) -c "import torch" >/dev/null 2>&1 || { \
+		echo "Installing torch (CPU build: $(TORCH_SPEC)); this can take a minute."; \
+		$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)); }
 	$(PY) -m pip install --quiet -e ".[test,dev,pillow]"
 	@touch $(STAMP)
 
