@@ -250,6 +250,9 @@ def test_flat_form_for_tensor_and_scalars():
     mixed = (3, torch.ones(1), 2.5, torch.zeros(2))  # scalars before tensors: the general item order
     assert encode(mixed, INDEX)[24] == 0xC1
     assert_same(mixed, roundtrip(mixed))
+    for single in [(torch.ones(3, dtype=torch.bfloat16), 1), (torch.zeros(0, 2), 2.5, False), (torch.tensor(4),)]:
+        assert encode(single, INDEX)[24] == 0xC1  # one tensor first: the shortest path
+        assert_same(single, roundtrip(single))
 
 
 @pytest.mark.parametrize("mode", ["1", "L", "P", "RGB", "RGBA", "I;16", "I", "F", "LA", "CMYK", "YCbCr"])
@@ -944,6 +947,7 @@ def _fuzz_values() -> list[tuple[bytes, int]]:
     structured = np.ndarray((3,), aligned, bytearray(random.Random(1).randbytes(3 * aligned.itemsize)))
     samples = [
         (torch.arange(24, dtype=torch.int16).reshape(2, 3, 4), 7, 0.5, True, torch.ones(2, dtype=torch.bfloat16)),
+        (torch.arange(48, dtype=torch.uint8).reshape(3, 4, 4), 9),
         {"a": [1, (2.5, "x", b"y")], "t": [torch.ones(3)], "n": np.arange(6).reshape(2, 3), "s": np.float32(1)},
         (structured, structured[1], np.datetime64("2024-01-02")),
         (image, Image.new("RGB", (2, 2)), 3),
