@@ -411,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except (LmdbCacheError, OSError) as exc:
-        _error(args.command, _one_line(exc))
+        _error(args.command, _cli_words(args.command, _one_line(exc)))
         return 1
     except KeyboardInterrupt:
         print(f"lmdbcache {args.command}: interrupted.", file=sys.stderr)
@@ -428,6 +428,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             "lmdbcache; please report it with this line. The cache may be damaged: `lmdbcache verify` tells.",
         )
         return 1
+
+
+# The library's messages name Python arguments; on the command line they name its flags.
+_HAS_OVERWRITE = {"precompute", "copy"}
+
+
+def _cli_words(command: str, message: str) -> str:
+    """Reword a library message for the command line: ``--overwrite``, ``lmdbcache precompute``."""
+    flag = "--overwrite" if command in _HAS_OVERWRITE else "`lmdbcache precompute SPEC PATH --overwrite`"
+    message = message.replace("(overwrite=True, or `lmdbcache precompute --overwrite`)", f"({flag})")
+    message = message.replace("pass overwrite=True", f"pass {flag}").replace("overwrite=True", flag)
+    return message.replace("Build it first.", "Build it first with `lmdbcache precompute SPEC PATH`.")
 
 
 def _one_line(exc: BaseException) -> str:

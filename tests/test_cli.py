@@ -685,3 +685,13 @@ def test_determinism_check_samples_never_reach_a_build_made_meanwhile(cache_dir)
     with pytest.raises(CacheMismatchError, match="rebuilt"):
         store.put_many([(5, encode(sample_for(5), 5))], build)
     _registry.release(store)
+
+
+def test_cli_errors_name_cli_flags_not_python_arguments(capsys, cache_dir, tmp_path):
+    """A mismatch seen from precompute says --overwrite; 'no cache at PATH' names lmdbcache precompute."""
+    with CachedDataset(Synthetic(5), cache_dir) as ds:
+        ds[0]
+    line = one_line_error(run_main(capsys, "precompute", SPEC, str(cache_dir), "--arg", "n=6", "--workers", "0"))
+    assert "--overwrite" in line and "overwrite=True" not in line
+    line = one_line_error(run_main(capsys, "info", str(tmp_path / "nothing")))
+    assert "lmdbcache precompute" in line and "overwrite=True" not in line
