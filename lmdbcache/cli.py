@@ -198,7 +198,11 @@ def _parser() -> argparse.ArgumentParser:
         "--batch-size", type=_int_at_least(1), default=16, metavar="N", help="samples per worker task (default 16)"
     )
     p.add_argument(
-        "--commit-every", type=_int_at_least(1), default=1024, metavar="N", help="samples per commit (default 1024)"
+        "--commit-every",
+        type=_int_at_least(1),
+        default=1024,
+        metavar="N",
+        help="samples per commit (default 1024); a commit also happens every second, so a kill loses about a second of work",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 

@@ -695,3 +695,17 @@ def test_cli_errors_name_cli_flags_not_python_arguments(capsys, cache_dir, tmp_p
     assert "--overwrite" in line and "overwrite=True" not in line
     line = one_line_error(run_main(capsys, "info", str(tmp_path / "nothing")))
     assert "lmdbcache precompute" in line and "overwrite=True" not in line
+
+
+def test_a_killed_precompute_loses_about_a_second_of_work(cache_dir):
+    """precompute commits on time too: with --commit-every far above the run, a SIGKILL still keeps the work."""
+    n = 4000
+    proc = cli("precompute", SPEC, str(cache_dir), "--arg", f"n={n}", "--arg", "delay=0.004", "--workers", "2",
+               "--commit-every", "100000", "--quiet", wait=False)  # fmt: skip
+    with proc:
+        wait_for_count(cache_dir, 100)  # only a timed commit can get there (v0.1.0 kept 3 of 1,500)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    with CachedDataset.open(cache_dir) as partial:
+        assert 100 <= partial.cached_count < n
