@@ -202,7 +202,7 @@ def _parser() -> argparse.ArgumentParser:
         type=_int_at_least(1),
         default=1024,
         metavar="N",
-        help="samples per commit (default 1024); a commit also happens every second, so a kill loses about a second of work",
+        help="samples per commit (default 1024); a commit also happens every second: a kill loses about 1 s of work",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
