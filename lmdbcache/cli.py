@@ -236,10 +236,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _bar(total: int | None, unit: str, quiet: bool, **kwargs: Any) -> Any:
-    from tqdm import tqdm
+    from .precompute import progress_bar
 
-    tqdm.monitor_interval = 0
-    return tqdm(total=total, unit=unit, disable=True if quiet else None, dynamic_ncols=True, **kwargs)
+    return progress_bar(total, unit, quiet, **kwargs)
 
 
 def _precompute(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -174,7 +175,7 @@ def precompute(
             )
             todo = todo[check_determinism:]
         try:
-            written += _write_all(dataset, todo, store, add, num_workers, batch_size, progress)
+            written += _write_all(dataset, todo, store, add, num_workers, batch_size, progress, written)
         except _Interrupted as stop:
             written += stop.written
             interrupted = True
@@ -200,6 +201,25 @@ def _check_precompute_options(
         raise InvalidOptionError(
             f"fingerprint must be a non-empty string (or None for the default), not {fingerprint!r}."
         )
+
+
+def progress_bar(total: int | None, unit: str, quiet: bool, **kwargs: Any) -> Any:
+    """A tqdm bar on stderr (shown on a terminal only), with a fixed width where the terminal reports 0 columns.
+
+    tqdm takes a 0-column, 0-line report literally (a pty started by ``script -q -c`` gives
+    one) and prints nothing at all.
+    """
+    from tqdm import tqdm
+
+    tqdm.monitor_interval = 0  # no monitor thread: DataLoader workers may be forked after this
+    try:
+        size = os.get_terminal_size(sys.stderr.fileno())
+    except (OSError, ValueError, AttributeError):
+        size = None  # not a terminal: tqdm decides (it shows nothing)
+    # A 0-column or 0-line report: tqdm hides the bar entirely; use a fixed 80x24 instead.
+    fixed = size is not None and (size.columns == 0 or size.lines == 0)
+    width: dict[str, Any] = {"ncols": 80, "nrows": 24} if fixed else {"dynamic_ncols": True}
+    return tqdm(total=total, unit=unit, disable=True if quiet else None, **width, **kwargs)
 
 
 def _not_cached(store: _store.Store, indices: range, length: int) -> list[int]:
@@ -253,13 +273,11 @@ def _write_all(
     num_workers: int,
     batch_size: int,
     progress: bool | None,
+    done_before: int = 0,
 ) -> int:
     """Workers decode and encode; this process queues their bytes; the store's thread commits."""
     if not todo:
         return 0
-    from tqdm import tqdm
-
-    tqdm.monitor_interval = 0  # no monitor thread: the workers are forked after this point
     loader = DataLoader(
         _Encoded(dataset, todo),
         batch_size=batch_size,
@@ -267,7 +285,7 @@ def _write_all(
         collate_fn=_collate,
         prefetch_factor=4 if num_workers else None,
     )
-    bar = tqdm(total=len(todo), unit="sample", disable=(progress is False) or None, dynamic_ncols=True, smoothing=0.1)
+    bar = progress_bar(len(todo) + done_before, "sample", progress is False, initial=done_before, smoothing=0.1)
     written_before = store.written
     batches = iter(loader)
     try:

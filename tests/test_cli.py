@@ -709,3 +709,18 @@ def test_a_killed_precompute_loses_about_a_second_of_work(cache_dir):
         proc.wait(timeout=30)
     with CachedDataset.open(cache_dir) as partial:
         assert 100 <= partial.cached_count < n
+
+
+def test_progress_bar_shows_on_a_zero_column_terminal_and_agrees_with_the_summary(cache_dir):
+    """Under `script -q -c` (a pty reporting 0 columns) the bar prints, and its total is the summary's count."""
+    import shutil as _shutil
+
+    if _shutil.which("script") is None:
+        pytest.skip("util-linux `script` is not installed")
+    command = f"{sys.executable} -m lmdbcache precompute {SPEC} {cache_dir} --arg n=300 --workers 1"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
+    out = subprocess.run(["script", "-q", "-c", command, "/dev/null"], capture_output=True, text=True, env=env,
+                         timeout=120)  # fmt: skip
+    lines = [line for line in out.stdout.replace("\r", "\n").splitlines() if line.strip()]
+    assert any("300/300" in line and "sample" in line for line in lines), lines[-5:]
+    assert "Wrote 300 samples" in lines[-1]
