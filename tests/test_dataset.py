@@ -566,3 +566,29 @@ def test_spot_check_sees_a_changed_palette_and_caps_its_count(cache_dir):
     start = time.perf_counter()
     CachedDataset(images((255, 0, 0)), cache_dir, spot_check=10**9).close()
     assert time.perf_counter() - start < 5
+
+
+def test_a_larger_map_from_a_second_object_never_fails_under_a_live_commit(cache_dir):
+    """Objects asking for a larger map while another object's commits run: no error (applied between commits)."""
+    import threading
+
+    first = CachedDataset(Synthetic(2000), cache_dir, commit_every=1)
+    stop, errors = threading.Event(), []
+
+    def fill() -> None:
+        try:
+            for i in range(2000):
+                if stop.is_set():
+                    return
+                first[i]
+        except Exception as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=fill)
+    thread.start()
+    for k in range(20):
+        CachedDataset(Synthetic(2000), cache_dir, map_size=(80 + k) << 20, spot_check=0).close()
+    stop.set()
+    thread.join(timeout=60)
+    assert errors == []
+    first.close()
