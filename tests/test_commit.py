@@ -36,6 +36,25 @@ def wait_until(predicate, timeout: float = 10.0) -> bool:
     return predicate()
 
 
+def finishes(call, timeout: float = 30) -> bool:
+    """Run ``call`` on a daemon thread; True if it returned within ``timeout`` (a hang fails the test, not the run)."""
+    done = threading.Event()
+    threading.Thread(target=lambda: (call(), done.set()), daemon=True).start()
+    return done.wait(timeout)
+
+
+def slow_commits(ds: CachedDataset, seconds: float) -> None:
+    """Make every commit of ``ds``'s store take ``seconds`` longer, so a test can interrupt one mid-write."""
+    queue = ds._live_store()._queue
+    real_write = queue._write
+
+    def slow_write(batch):
+        time.sleep(seconds)
+        return real_write(batch)
+
+    queue._write = slow_write
+
+
 def test_commit_interval_holds_for_the_whole_life_of_the_process(cache_dir):
     """Every queued miss is committed within commit_interval of being queued, not only after the first commit."""
     ds = CachedDataset(Synthetic(40), cache_dir, commit_every=10_000, commit_interval=0.3)
@@ -78,9 +97,7 @@ def test_a_fork_racing_misses_leaves_a_live_committer(cache_dir):
         t.join(timeout=60)
         assert not t.is_alive()
     assert not errors, errors
-    done = threading.Event()
-    threading.Thread(target=lambda: (ds.flush(), done.set()), daemon=True).start()
-    assert done.wait(30), "flush() hung: no live committer thread"
+    assert finishes(lambda: ds.flush()), "flush() hung: no live committer thread"
     assert committed(cache_dir) == n
     ds.close()
     check = CachedDataset.open(cache_dir)
@@ -109,9 +126,7 @@ def test_close_racing_misses_leaves_a_live_committer(cache_dir):
     stop.set()
     for t in threads:
         t.join(timeout=60)
-    done = threading.Event()
-    threading.Thread(target=lambda: (ds.close(), done.set()), daemon=True).start()
-    assert done.wait(30), "close() hung"
+    assert finishes(lambda: ds.close()), "close() hung"
     seen = committed(cache_dir)
     with CachedDataset(Synthetic(n), cache_dir) as again:
         again.__getitems__(list(range(n)))
@@ -121,22 +136,13 @@ def test_close_racing_misses_leaves_a_live_committer(cache_dir):
 def test_ctrl_c_during_a_drain_leaves_the_queue_usable(cache_dir):
     """KeyboardInterrupt while flush() waits for a commit: the commit still lands and later flushes work."""
     ds = CachedDataset(Synthetic(200), cache_dir, commit_every=10_000, commit_interval=60)
-    store = ds._live_store()
-    real_write = store._queue._write
-
-    def slow_write(batch):
-        time.sleep(0.5)
-        return real_write(batch)
-
-    store._queue._write = slow_write
+    slow_commits(ds, 0.5)
     ds.__getitems__(list(range(100)))
     threading.Timer(0.1, _thread.interrupt_main).start()
     with pytest.raises(KeyboardInterrupt):
         ds.flush()
     ds.__getitems__(list(range(100, 200)))
-    done = threading.Event()
-    threading.Thread(target=lambda: (ds.flush(), done.set()), daemon=True).start()
-    assert done.wait(30), "flush() hung after a Ctrl-C"
+    assert finishes(lambda: ds.flush()), "flush() hung after a Ctrl-C"
     assert committed(cache_dir) == 200
     ds.close()
 
@@ -146,9 +152,7 @@ def test_a_huge_commit_interval_never_kills_the_committer(cache_dir):
     ds = CachedDataset(Synthetic(4), cache_dir, commit_interval=1e10)
     ds[0]
     time.sleep(0.3)  # the thread reaches its timed wait
-    done = threading.Event()
-    threading.Thread(target=lambda: (ds.flush(), done.set()), daemon=True).start()
-    assert done.wait(30), "flush() hung: the committer thread died"
+    assert finishes(lambda: ds.flush()), "flush() hung: the committer thread died"
     assert ds.cached_count == 1
     ds.close()
 
@@ -156,14 +160,7 @@ def test_a_huge_commit_interval_never_kills_the_committer(cache_dir):
 def test_ctrl_c_twice_during_close_leaves_the_cache_usable(cache_dir):
     """Two KeyboardInterrupts during close() while a batch is written: the environment closes after the write."""
     ds = CachedDataset(Synthetic(100), cache_dir, commit_every=10_000, commit_interval=60)
-    store = ds._live_store()
-    real_write = store._queue._write
-
-    def slow_write(batch):
-        time.sleep(1.0)
-        return real_write(batch)
-
-    store._queue._write = slow_write
+    slow_commits(ds, 1.0)
     ds.__getitems__(list(range(100)))
     threading.Timer(0.2, _thread.interrupt_main).start()
     threading.Timer(0.4, _thread.interrupt_main).start()
