@@ -168,9 +168,9 @@ class CachedDataset(Dataset):
         if not (type(index) is int and 0 <= index < self._length):
             index = self._index(index)
         store = self._store
-        if store is None or store.pid != _registry._pid or store.build is not self._build:
+        if store is None or store.pid != _registry._pid:
             store = self._live_store()
-        sample = store.get(index, self._always, self._build)
+        sample = store.get(index, self._always, self._build)  # the store checks the build, under its lock
         if sample is MISSING:
             sample = self._fill([index], store)[0]
         transform = self.transform

@@ -507,22 +507,29 @@ class Store:
         if length <= _VERIFIED_MAX and (verified is None or len(verified) < length):
             self._verified = bytearray(length)
 
-    def _check_build(self, txn: lmdb.Transaction) -> None:
-        """Raise if another process rebuilt the cache since this one adopted its build.
+    def _same_build(self, txn: lmdb.Transaction) -> tuple[bool, dict[str, Any] | None, Any]:
+        """Does ``txn`` still hold the build this process adopted? (same, the metadata if it was parsed, its bytes).
 
-        Runs once per read transaction (not per sample): one small get and a byte compare.
+        One small get and a byte compare; the record is parsed only when its bytes changed
+        (a rebuild, or an older format's metadata upgraded in place with the same build id).
         """
         raw = txn.get(_META_KEY, db=self._meta_db)
-        if raw is not None and raw == self._meta_raw:
-            return
-        meta = None
-        if raw is not None:
-            try:
-                meta = self._validate_meta(msgpack.unpackb(raw))
-            except Exception:  # damaged or hostile metadata: treated as another build
-                meta = None
-        if raw is not None and meta is not None and meta["cache_id"] == self.build:
-            self._meta, self._meta_raw = meta, bytes(raw)  # same build, metadata upgraded in place
+        if raw is None:
+            return False, None, None
+        if raw == self._meta_raw:
+            return True, None, raw
+        try:
+            meta = self._validate_meta(msgpack.unpackb(raw))
+        except Exception:  # damaged or hostile metadata: treated as another build
+            return False, None, raw
+        return meta["cache_id"] == self.build, meta, raw
+
+    def _check_build(self, txn: lmdb.Transaction) -> None:
+        """Raise if another process rebuilt the cache since this one adopted its build (once per read transaction)."""
+        same, meta, raw = self._same_build(txn)
+        if same:
+            if meta is not None:
+                self._meta, self._meta_raw = meta, bytes(raw)  # metadata upgraded in place
             return
         self._stale = self._rebuilt_message(meta)
         self._queue.forget()  # samples of the old build must not reach the new one
@@ -1058,14 +1065,8 @@ class Store:
         raise LmdbCacheError(f"Cache '{self.path}': could not make room for {need} bytes after 64 map growths.")
 
     def _check_cache_id(self, txn: lmdb.Transaction) -> None:
-        raw = txn.get(_META_KEY, db=self._meta_db)
-        if raw is not None and raw == self._meta_raw:
-            return
-        try:
-            stored = self._validate_meta(msgpack.unpackb(raw))["cache_id"] if raw is not None else None
-        except Exception:  # damaged or hostile metadata: not our build
-            stored = None
-        if stored != self.build:
+        """Inside a write transaction: refuse to write into a build this process did not adopt."""
+        if not self._same_build(txn)[0]:
             raise CacheMismatchError(
                 f"Cache '{self.path}' was rebuilt by another process (overwrite=True) while this one was filling "
                 "it; its queued samples were dropped. Create the dataset again."
