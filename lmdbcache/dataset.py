@@ -117,13 +117,10 @@ class CachedDataset(Dataset):
             commit_bytes=commit_bytes,
             commit_interval=commit_interval,
             checksum=checksum,
+            fingerprint=fingerprint,
         )
         if type(spot_check) is not int or spot_check < 0:
             raise InvalidOptionError(f"spot_check must be an integer >= 0 (0 turns it off), not {spot_check!r}.")
-        if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint):
-            raise InvalidOptionError(
-                f"fingerprint must be a non-empty string (or None for the default), not {fingerprint!r}."
-            )
         self.dataset = dataset
         self.path = os.path.abspath(os.fspath(path))
         self.transform = transform
@@ -206,8 +203,8 @@ class CachedDataset(Dataset):
         """This process's store, holding the build this dataset was opened on (else CacheMismatchError).
 
         A new store is acquired on first use after unpickling (spawn), after a fork, or after
-        close(). The build ids are made the same object, so the per-sample check in
-        ``__getitem__`` is an identity test.
+        close(). The build ids are made the same object, so the store's per-sample check is
+        an identity test.
         """
         store = self._store
         if store is None or not _registry.owns(store):

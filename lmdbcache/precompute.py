@@ -133,7 +133,7 @@ def precompute(
     is kept). Ctrl-C commits what was decoded and returns with ``interrupted=True``.
     """
     start = time.perf_counter()
-    _check_precompute_options(num_workers, batch_size, check_determinism, fingerprint)
+    _check_precompute_options(num_workers, batch_size, check_determinism)
     check_options(
         map_size=map_size,
         max_readers=1,
@@ -141,6 +141,7 @@ def precompute(
         commit_bytes=commit_bytes,
         commit_interval=_COMMIT_INTERVAL,
         checksum="once",
+        fingerprint=fingerprint,
     )
     path = os.path.abspath(os.fspath(path))
     local = local if local is not None else torchrun_local()
@@ -186,9 +187,7 @@ def precompute(
     return PrecomputeResult(path, written, skipped, time.perf_counter() - start, cached, length, size, interrupted)
 
 
-def _check_precompute_options(
-    num_workers: int | None, batch_size: int, check_determinism: int, fingerprint: str | None
-) -> None:
+def _check_precompute_options(num_workers: int | None, batch_size: int, check_determinism: int) -> None:
     for name, value, low in (("batch_size", batch_size, 1), ("check_determinism", check_determinism, 0)):
         if type(value) is not int or value < low:
             raise InvalidOptionError(f"{name} must be an integer >= {low}, not {value!r}.")
@@ -196,10 +195,6 @@ def _check_precompute_options(
         raise InvalidOptionError(
             f"num_workers must be an integer >= 0 (0 decodes in this process), or None for the CPU count, not "
             f"{num_workers!r}."
-        )
-    if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint):
-        raise InvalidOptionError(
-            f"fingerprint must be a non-empty string (or None for the default), not {fingerprint!r}."
         )
 
 

@@ -132,8 +132,13 @@ def check_options(
     commit_bytes: Any,
     commit_interval: Any,
     checksum: Any,
+    fingerprint: Any = None,
 ) -> None:
     """Refuse out-of-range options with one clear error each (before anything is opened)."""
+    if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint):
+        raise InvalidOptionError(
+            f"fingerprint must be a non-empty string (or None for the default), not {fingerprint!r}."
+        )
     parse_size(map_size, "map_size", _MIB)  # LMDB needs a few pages before the map can grow
     for name, value in (("max_readers", max_readers), ("commit_every", commit_every)):
         if type(value) is not int or value < 1:
