@@ -1,7 +1,8 @@
 """One Store per cache directory per process, and what keeps processes apart.
 
-``acquire``/``release`` hand out this process's Store for a directory (datasets, precompute
-and the tools share it: one LMDB environment per file per process, as LMDB requires).
+``open_store``/``release`` hand out this process's Store for a directory, initialized (datasets,
+precompute and the tools share it: one LMDB environment per file per process, as LMDB
+requires); ``Store.owned`` says whether the caller's process may use a store it holds.
 
 Fork. Before every ``fork()`` each store commits its queue, stops its committer thread and
 closes its environment, holding its lock across the fork so no thread reopens it; the child
@@ -20,12 +21,14 @@ import atexit
 import os
 import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from .errors import LmdbCacheWarning
 from .store import Store
 
-__all__ = ["acquire", "owns", "release"]
+__all__ = ["acquire", "open_store", "opened", "release"]
 
 _pid = os.getpid()
 _stores: dict[str, Store] = {}
@@ -45,7 +48,7 @@ def acquire(path: str, **options: Any) -> Store:
         store = _stores.get(key)
         if store is None:
             store = _stores[key] = Store(os.path.abspath(path), **options)
-            store.pid = _pid
+            store.owned = True
             _register_exit_flush()
             created = True
         else:
@@ -60,15 +63,43 @@ def acquire(path: str, **options: Any) -> Store:
     return store
 
 
-def owns(store: Store) -> bool:
-    """Was ``store`` handed out in this process (not inherited across a fork)?"""
-    return store.pid == _pid
+def open_store(
+    path: str,
+    *,
+    length: int | None = None,
+    fingerprint: str | None = None,
+    overwrite: bool = False,
+    create: bool = True,
+    **options: Any,
+) -> tuple[Store, dict[str, Any]]:
+    """This process's Store for ``path``, initialized (``Store.initialize``), and the cache's metadata.
+
+    The caller owns one reference and gives it back with ``release``; if initializing
+    raises, the reference is released here and nothing stays open.
+    """
+    store = acquire(path, **options)
+    try:
+        meta = store.initialize(length=length, fingerprint=fingerprint, overwrite=overwrite, create=create)
+    except BaseException:
+        release(store)
+        raise
+    return store, meta
+
+
+@contextmanager
+def opened(path: str, **options: Any) -> Iterator[Store]:
+    """``open_store`` an existing cache (never creating one) for the length of a ``with`` block."""
+    store, _ = open_store(path, create=False, **options)
+    try:
+        yield store
+    finally:
+        release(store)
 
 
 def release(store: Store) -> None:
     """Drop one reference; the last one commits and closes the environment."""
     with _registry_lock:
-        if store.pid != _pid:
+        if not store.owned:
             return  # inherited across fork: the parent owns it
         store.refs -= 1
         if store.refs > 0:
@@ -99,6 +130,7 @@ def _after_fork_child() -> None:
     # The child opens its own stores. The parent's objects stay reachable from datasets,
     # which see the pid change and re-acquire; unlock them so nothing can hang on them.
     for store in _stores.values():
+        store.owned = False
         store.after_fork(in_child=True)
     _stores.clear()
     _registry_lock.release()
@@ -109,7 +141,7 @@ os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent, aft
 
 def _flush_all_at_exit() -> None:
     for store in list(_stores.values()):
-        if store.pid == _pid:
+        if store.owned:
             try:
                 store.close()
             except Exception as exc:

@@ -15,9 +15,10 @@ from torch.utils.data import ConcatDataset, Dataset, Subset, TensorDataset
 from . import _registry
 from ._commit import Policy
 from ._diff import first_difference
+from ._options import check_options, parse_size
 from .codec import decode, encode
 from .errors import CacheMismatchError, InvalidOptionError, SampleNotCachedError
-from .store import MISSING, Store, check_options, parse_size
+from .store import MISSING, Store
 
 __all__ = ["CachedDataset", "default_fingerprint"]
 
@@ -130,11 +131,15 @@ class CachedDataset(Dataset):
         length = None if dataset is None else _dataset_length(dataset)
         if dataset is not None and fingerprint is None:
             fingerprint = default_fingerprint(dataset)
-        store = _registry.acquire(self.path, **self._options)
+        store, meta = _registry.open_store(
+            self.path,
+            length=length,
+            fingerprint=fingerprint,
+            overwrite=overwrite,
+            create=dataset is not None,
+            **self._options,
+        )
         try:
-            meta = store.initialize(
-                length=length, fingerprint=fingerprint, overwrite=overwrite, create=dataset is not None
-            )
             self._store: Store | None = store
             self._length: int = meta["length"]
             self.fingerprint: str = meta["fingerprint"]
@@ -165,7 +170,7 @@ class CachedDataset(Dataset):
         if not (type(index) is int and 0 <= index < self._length):
             index = self._index(index)
         store = self._store
-        if store is None or store.pid != _registry._pid:
+        if store is None or not store.owned:
             store = self._live_store()
         sample = store.get(index, self._always, self._build)  # the store checks the build, under its lock
         if sample is MISSING:
@@ -207,7 +212,7 @@ class CachedDataset(Dataset):
         an identity test.
         """
         store = self._store
-        if store is None or not _registry.owns(store):
+        if store is None or not store.owned:
             store = _registry.acquire(self.path, **self._options)
             store.expect_build(self._build)  # opening checks the cache is still the build we validated
             self._store = store
@@ -296,7 +301,7 @@ class CachedDataset(Dataset):
     def close(self) -> None:
         """Commit queued misses and release this process's handle (it reopens if used again)."""
         store, self._store = self._store, None
-        if store is not None and _registry.owns(store):
+        if store is not None and store.owned:
             _registry.release(store)
 
     def __enter__(self) -> CachedDataset:
@@ -309,7 +314,7 @@ class CachedDataset(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         store = self._store
-        if store is not None and _registry.owns(store) and store.build == self._build:
+        if store is not None and store.owned and store.build == self._build:
             store.flush()  # pickled for spawn workers: let them see what this process decoded
         state = self.__dict__.copy()
         state["_store"] = None  # configuration only: each process opens its own environment

@@ -22,10 +22,10 @@ from torch.utils.data import DataLoader, Dataset
 from . import _registry
 from . import store as _store
 from ._commit import Policy
+from ._options import check_options, parse_size
 from .codec import encode
 from .dataset import _dataset_length, default_fingerprint
 from .errors import InvalidOptionError, LmdbCacheError, NondeterministicDatasetError, SourceItemError
-from .store import check_options, parse_size
 
 # Commits on time as well as on count, with the dataset's default bound: a SIGKILL loses at
 # most about a second of work (plus what the workers had decoded but not handed over).
@@ -154,15 +154,17 @@ def precompute(
     todo_range = shard_indices(length, shard, local)
     if num_workers is None:
         num_workers = max(1, (os.cpu_count() or 1) // (local[1] if local else 1))
-    store = _registry.acquire(
-        path, map_size=map_size, commit_every=commit_every, commit_bytes=commit_bytes, commit_interval=_COMMIT_INTERVAL
+    store, meta = _registry.open_store(
+        path,
+        length=length,
+        fingerprint=fingerprint if fingerprint is not None else default_fingerprint(dataset),
+        overwrite=overwrite,
+        map_size=map_size,
+        commit_every=commit_every,
+        commit_bytes=commit_bytes,
+        commit_interval=_COMMIT_INTERVAL,
     )
     try:
-        meta = store.initialize(
-            length=length,
-            fingerprint=fingerprint if fingerprint is not None else default_fingerprint(dataset),
-            overwrite=overwrite,
-        )
         # Queued under this run's own commit policy and build (the store may be shared in-process).
         add = functools.partial(
             store.add, build=meta["cache_id"], policy=Policy(commit_every, parse_size(commit_bytes), _COMMIT_INTERVAL)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import re
 import shutil
 import socket
 import struct
@@ -51,13 +50,14 @@ import msgpack
 from . import _fs, codec
 from ._commit import CommitQueue, Policy
 from ._guard import MapGuard
+from ._options import MIB as _MIB
+from ._options import parse_size
 from ._version import FORMAT_VERSION, OLDEST_READABLE_FORMAT, __version__
 from .errors import (
     CacheFullError,
     CacheMismatchError,
     CorruptCacheError,
     CorruptSampleError,
-    InvalidOptionError,
     LmdbCacheError,
     LmdbCacheWarning,
     NotACacheError,
@@ -65,7 +65,7 @@ from .errors import (
     ReadOnlyCacheError,
 )
 
-__all__ = ["DATA_FILE", "MISSING", "Store", "check_options", "parse_size"]
+__all__ = ["DATA_FILE", "MISSING", "Store"]
 
 MISSING: Any = type("Missing", (), {"__repr__": lambda self: "MISSING"})()
 
@@ -77,7 +77,6 @@ _decode = codec.decode
 _monotonic = time.monotonic
 _UNKEY = struct.Struct(">Q").unpack
 _MIN_DATA_FILE = 2 * 4096  # LMDB writes two meta pages before anything else
-_MIB = 1 << 20
 _MAX_MAP = 1 << 46  # 64 TiB: beyond what a 47-bit user address space can map
 _READER_MAX_AGE = 0.25  # seconds a kept read transaction may pin its snapshot
 # Every live process clears dead processes' reader slots this often (when it renews a read
@@ -99,61 +98,6 @@ _REBUILD = (
     "Rebuild it (overwrite=True, or `lmdbcache precompute --overwrite`), or copy it from a good replica "
     "(`lmdbcache copy`)."
 )
-
-
-_SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2, "G": 1000**3, "GB": 1000**3,
-               "T": 1000**4, "TB": 1000**4, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}  # fmt: skip
-
-
-def parse_size(value: Any, name: str = "map_size", minimum: int = 1) -> int:
-    """A byte count from an int or a string such as ``"64MiB"``, ``"1GB"``, ``"512 M"``; InvalidOptionError if not."""
-    if isinstance(value, str):
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", value)
-        unit = match.group(2).upper() if match else None
-        if match is None or unit not in _SIZE_UNITS:
-            raise InvalidOptionError(
-                f"{name}={value!r} is not a size: pass bytes as an int, or a string such as '64MiB', '1GB' or '512M'."
-            )
-        value = int(float(match.group(1)) * _SIZE_UNITS[unit])
-    if type(value) is not int or value <= 0:
-        raise InvalidOptionError(
-            f"{name} must be a positive number of bytes (or a string such as '1GiB'), not {value!r}."
-        )
-    if value < minimum:
-        raise InvalidOptionError(f"{name} must be at least {minimum:,} bytes, not {value:,}.")
-    return value
-
-
-def check_options(
-    *,
-    map_size: Any,
-    max_readers: Any,
-    commit_every: Any,
-    commit_bytes: Any,
-    commit_interval: Any,
-    checksum: Any,
-    fingerprint: Any = None,
-) -> None:
-    """Refuse out-of-range options with one clear error each (before anything is opened)."""
-    if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint):
-        raise InvalidOptionError(
-            f"fingerprint must be a non-empty string (or None for the default), not {fingerprint!r}."
-        )
-    parse_size(map_size, "map_size", _MIB)  # LMDB needs a few pages before the map can grow
-    for name, value in (("max_readers", max_readers), ("commit_every", commit_every)):
-        if type(value) is not int or value < 1:
-            raise InvalidOptionError(f"{name} must be an integer >= 1, not {value!r}.")
-    if max_readers > 1 << 20:
-        raise InvalidOptionError(f"max_readers must be at most {1 << 20}, not {max_readers}.")
-    parse_size(commit_bytes, "commit_bytes")
-    if (
-        isinstance(commit_interval, bool)
-        or not isinstance(commit_interval, (int, float))
-        or not (0 < commit_interval < float("inf"))
-    ):
-        raise InvalidOptionError(f"commit_interval must be a number of seconds > 0, not {commit_interval!r}.")
-    if checksum not in ("once", "always"):
-        raise InvalidOptionError(f"checksum must be 'once' or 'always', not {checksum!r}.")
 
 
 class Store:
@@ -178,7 +122,9 @@ class Store:
         self.checksum = checksum  # the default for reads that do not say (tools)
         self.map_size = min(parse_size(map_size), _MAX_MAP)
         self.max_readers = int(max_readers)
-        self.pid = 0  # the process this store belongs to (set by _registry.acquire)
+        # Handed out by _registry in this process and usable here; False in a child forked since
+        # (a plain attribute rather than a pid compare: the hit path asks it per sample).
+        self.owned = False
         self.readonly = False
         self.refs = 0
         self._lock = threading.Lock()
