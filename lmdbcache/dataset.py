@@ -61,7 +61,7 @@ def _dataset_length(dataset: Any) -> int:
     return length
 
 
-class CachedDataset(Dataset):
+class CachedDataset(Dataset[Any]):
     """Wrap a map-style dataset so each sample is decoded once, ever, and then shared.
 
     The first read of index ``i`` calls ``dataset[i]``, stores the sample in the LMDB

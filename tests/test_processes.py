@@ -16,7 +16,7 @@ import torch
 from helpers import Synthetic, assert_same, sample_for, source_reads
 from torch.utils.data import DataLoader
 
-from lmdbcache import CachedDataset, CacheMismatchError, ReadersFullError, SampleNotCachedError, _registry
+from lmdbcache import CachedDataset, CacheMismatchError, ReadersFullError, SampleNotCachedError, _env, _registry
 from lmdbcache import store as _store
 
 TESTS = Path(__file__).parent
@@ -232,7 +232,7 @@ def test_dead_readers_are_reclaimed_on_open(cache_dir):
 
 def test_exhausted_reader_table_is_a_clear_error(cache_dir, monkeypatch):
     """When live processes hold every reader slot, opening raises ReadersFullError saying how to fix it."""
-    monkeypatch.setattr(_store, "_OPEN_RETRIES", 2)  # it waits ~6 s for dead slots to be cleared otherwise
+    monkeypatch.setattr(_env, "_OPEN_RETRIES", 2)  # it waits ~6 s for dead slots to be cleared otherwise
     CachedDataset(Synthetic(5), cache_dir, max_readers=2).close()
     _registry._stores.clear()
     with run_script(HOLD_READER, str(cache_dir), "2", "60", wait=False) as a:

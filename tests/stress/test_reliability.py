@@ -26,9 +26,9 @@ from lmdbcache import (
     CacheMismatchError,
     CorruptSampleError,
     SampleNotCachedError,
+    _handle,
     _registry,
 )
-from lmdbcache import store as _store
 
 WORKER = """
 import functools, json, random, sys
@@ -388,7 +388,7 @@ def test_indices_beyond_2_to_the_32(cache_dir):
 def test_stale_readers_are_cleared_when_the_table_is_full(cache_dir, monkeypatch):
     """Reader slots of SIGKILLed processes do not lock new processes out while another process uses the cache:
     live processes clear dead slots as they go, and a process that finds the table full waits for that."""
-    monkeypatch.setattr(_store, "_READER_CHECK_INTERVAL", 0.0)
+    monkeypatch.setattr(_handle, "_READER_CHECK_INTERVAL", 0.0)
     hold = """
         import sys, time, lmdb
         env = lmdb.open(sys.argv[1], max_dbs=2)

@@ -1,0 +1,118 @@
+"""Opening and sizing one LMDB environment: the options we open it with, and map growth.
+
+Map size. The map starts at ``map_size`` and doubles (at least) whenever a commit would
+not fit; the store grows it by aborting the transaction, growing, and re-putting every
+queued record. A process that finds the map grown by another (``MapResizedError``) adopts
+the new size. Open with ``readahead=False``: samples are read in random order, and
+readahead would only evict useful pages.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lmdb
+
+from ._fs import DATA_FILE, check_size
+from ._lmdb_errors import readers_full, translate
+from ._options import MIB
+from .errors import CorruptCacheError, NotACacheError
+
+__all__ = ["MAX_MAP", "grown_size", "open_databases", "open_env", "reserved_size"]
+
+MAX_MAP = 1 << 46  # 64 TiB: beyond what a 47-bit user address space can map
+_OPEN_RETRIES = 30  # x 0.2 s
+_NOT_OURS = "Use another path, or pass overwrite=True to replace it."
+
+
+def open_env(path: str, *, map_size: int, max_readers: int, readonly: bool) -> tuple[lmdb.Environment, bool]:
+    """Open the environment at ``path``; return it and whether it uses LMDB's lock table.
+
+    A reader table full of dead processes' slots is retried for a few seconds (a live
+    process clears them); a read-only mount where ``lock.mdb`` cannot be written is opened
+    without the lock table (no writer can exist there).
+    """
+    options: dict[str, Any] = dict(
+        map_size=map_size,
+        max_dbs=2,
+        max_readers=max_readers,
+        readahead=False,  # random access: readahead only evicts useful pages
+        metasync=False,
+        sync=True,
+        max_spare_txns=1,
+        subdir=True,
+        create=not readonly,
+    )
+    try:
+        for attempt in range(_OPEN_RETRIES + 1):
+            try:
+                return lmdb.open(path, readonly=readonly, **options), True
+            except lmdb.ReadersFullError:
+                # py-lmdb opens with a read transaction, so a table full of dead processes'
+                # slots keeps us out until a live process clears them (Store._maybe_reader_check).
+                if attempt == _OPEN_RETRIES:
+                    raise
+                time.sleep(0.2)
+            except lmdb.Error as exc:
+                if not readonly or ("ermission" not in str(exc) and "Read-only" not in str(exc)):
+                    raise
+                # A read-only mount where lock.mdb cannot be opened for writing: no writer can
+                # exist there, so running without LMDB's lock table is safe.
+                return lmdb.open(path, readonly=True, lock=False, **options), False
+    except lmdb.InvalidError as exc:
+        raise CorruptCacheError(
+            f"'{path}/{DATA_FILE}' is not an LMDB file ({exc}). Delete the directory, or pass overwrite=True "
+            "to replace it."
+        ) from exc
+    except lmdb.ReadersFullError:
+        raise readers_full(path) from None
+    except lmdb.Error as exc:
+        raise translate(exc, path, "opening") from exc
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def open_databases(env: lmdb.Environment, path: str, readonly: bool) -> tuple[Any, Any]:
+    """The ``samples`` and ``meta`` databases of ``env``, after checking the file is whole and ours.
+
+    Raises ``lmdb.Error`` for the caller to translate (it closes ``env`` first).
+    """
+    # Before any page beyond the meta pages is touched: a truncated file would SIGBUS.
+    check_size(path, (env.info()["last_pgno"] + 1) * env.stat()["psize"])
+    with env.begin() as txn:
+        names = {bytes(key) for key in txn.cursor().iternext(values=False)}
+    foreign = sorted(names - {b"meta", b"samples"})
+    if foreign:
+        raise NotACacheError(
+            f"'{path}' holds an LMDB environment that lmdbcache did not create (its keys include "
+            f"{foreign[:3]}). {_NOT_OURS}"
+        )
+    try:
+        return env.open_db(b"samples", create=not readonly), env.open_db(b"meta", create=not readonly)
+    except (lmdb.NotFoundError, lmdb.IncompatibleError) as exc:
+        raise NotACacheError(
+            f"'{path}' holds an LMDB environment that lmdbcache did not create ({exc}). {_NOT_OURS}"
+        ) from exc
+
+
+def reserved_size(env: lmdb.Environment, need: int, map_size: int) -> int | None:
+    """The map size to set before a commit of ``need`` bytes (None: the map is large enough).
+
+    Grows the map before a commit that would not fit, so it rarely has to be retried, and
+    applies a larger ``map_size`` another object asked for.
+    """
+    info = env.info()
+    used = (info["last_pgno"] + 1) * env.stat()["psize"]
+    if used + 2 * need + MIB > info["map_size"]:
+        return grown_size(env, need)
+    if info["map_size"] < map_size:
+        return map_size
+    return None
+
+
+def grown_size(env: lmdb.Environment, need: int) -> int:
+    """The next map size: at least double, with room for ``need`` bytes twice over, in whole MiB (whole pages)."""
+    info = env.info()
+    used = (info["last_pgno"] + 1) * env.stat()["psize"]
+    size = max(2 * info["map_size"], used + 2 * need + 16 * MIB)
+    return -(-size // MIB) * MIB

@@ -1,0 +1,275 @@
+"""The state a Store keeps for one cache directory in one process, and the questions it answers.
+
+``Handle`` holds the environment this process opened (lazily, on first use: a DataLoader
+worker or a forked child opens its own), the build (``cache_id``) it adopted and checked,
+and the read transactions every read and write path begins from, each checked against
+that build. ``_read.ReadPath`` and ``_write.WritePath`` build on it; ``store.Store`` joins
+them and adds creating, rebuilding and closing.
+
+Thread-safe by convention: every method here runs with ``self._lock`` held by its caller.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import filelock
+import lmdb
+import msgpack
+
+from . import _fs, _metadata
+from ._commit import CommitQueue
+from ._env import MAX_MAP, open_databases, open_env, reserved_size
+from ._fs import DATA_FILE, WRITE_LOCK
+from ._guard import MapGuard
+from ._lmdb_errors import readers_full, translate
+from ._options import MIB, parse_size
+from .errors import CacheMismatchError, NotACacheError
+
+__all__ = ["Handle"]
+
+# Every live process clears dead processes' reader slots this often (when it renews a read
+# transaction or commits), so a process that cannot even open the cache because the table
+# is full of them gets in on one of its retries.
+_READER_CHECK_INTERVAL = 5.0
+# Per-index "verified" flags cost a byte per index; beyond this length every read is verified.
+_VERIFIED_MAX = 1 << 24
+
+
+class Handle:
+    """One process's environment for a cache directory and the build it adopted (see the module docstring)."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        map_size: int = 64 * MIB,
+        max_readers: int = 1024,
+        checksum: str = "once",
+    ) -> None:
+        self.path = path
+        self.checksum = checksum  # the default for reads that do not say (tools)
+        self.map_size = min(parse_size(map_size), MAX_MAP)
+        self.max_readers = int(max_readers)
+        # Handed out by _registry in this process and usable here; False in a child forked since
+        # (a plain attribute rather than a pid compare: the hit path asks it per sample).
+        self.owned = False
+        self.readonly = False
+        self.refs = 0
+        self._lock = threading.Lock()
+        self._env: lmdb.Environment | None = None
+        self._samples: Any = None
+        self._meta_db: Any = None
+        self._file_lock: filelock.BaseFileLock | None = None
+        # The build id (``cache_id``) this process adopted and checked; a rebuild gives the cache a
+        # new one. Reads and writes verify it. A plain attribute: datasets compare it per sample.
+        self.build: str | None = None
+        self._queue: CommitQueue  # made by Store, which owns the write path it calls
+        self._meta: dict[str, Any] | None = None
+        self._meta_raw: bytes = b""  # the metadata record as adopted: a rebuild changes it
+        # Why this process may no longer use the build it adopted (set when a rebuild is seen).
+        self._stale: str | None = None
+        # A read transaction kept open between hits (see _reader) and when it goes stale.
+        self._rtxn: lmdb.Transaction | None = None
+        self._rtxn_expires = 0.0
+        # Byte i set: this process has verified index i's data checksum (checksum="once"). A byte
+        # rather than a bit per index: N bytes per process is small, and the test is cheaper.
+        self._verified: bytearray | None = None
+        self._locked = True  # False on a read-only mount opened without LMDB's lock table
+        self._last_reader_check = 0.0
+        self._guard: MapGuard | None = None
+        self._close_when_idle = False  # close() was interrupted while a batch was being written
+
+    def _open_env(self, *, readonly: bool) -> lmdb.Environment:
+        """Open this process's environment and the two databases. Caller holds self._lock."""
+        path = self.path
+        env, self._locked = open_env(path, map_size=self.map_size, max_readers=self.max_readers, readonly=readonly)
+        try:
+            self._samples, self._meta_db = open_databases(env, path, readonly)
+            if not readonly:
+                env.reader_check()  # reclaim the reader slots of processes that died
+                self._last_reader_check = time.monotonic()
+                # LMDB opens a file larger than map_size with a map exactly its size: no room for
+                # even the free-list pages of a rebuild or a metadata update. Make some first.
+                self._reserve(env, 4 * MIB)
+        except lmdb.Error as exc:
+            env.close()
+            raise translate(exc, path, "opening") from exc
+        except BaseException:
+            env.close()
+            raise
+        self._env = env
+        self.readonly = readonly
+        self._guard = MapGuard(os.path.join(path, DATA_FILE), env.stat()["psize"])
+        return env
+
+    def _env_or_open(self) -> lmdb.Environment:
+        """The environment, opened on first use in this process (a worker, or after a fork)."""
+        env = self._env
+        if env is not None:
+            return env
+        if self._stale is not None:
+            raise CacheMismatchError(self._stale)
+        readonly = not _fs.writable(self.path)
+        if not readonly:
+            _fs.check_data_file(self.path, overwrite=False)
+        env = self._open_env(readonly=readonly)
+        try:
+            found = self._read_meta(env)
+            if found is None:
+                raise CacheMismatchError(
+                    f"Cache '{self.path}' was emptied or replaced by another process since this dataset opened it "
+                    "(it has no metadata now). Create the dataset again."
+                )
+            meta, raw = found
+            if self.build is not None and meta["cache_id"] != self.build:
+                raise CacheMismatchError(_metadata.rebuilt_message(self.path, meta))
+        except BaseException:
+            self._close_env()
+            raise
+        self._adopt(meta, raw)
+        return env
+
+    def expect_build(self, build: str) -> None:
+        """Open (lazily) only the build ``build``: a dataset unpickled in a worker checks its cache is the same."""
+        with self._lock:
+            if self.build is None:
+                self.build = build
+
+    def _adopt(self, meta: dict[str, Any], raw: bytes) -> None:
+        if meta["cache_id"] != self.build:
+            self._verified = None  # flags of another build's values
+        if meta["cache_id"] != self.build:  # else keep the same object: datasets compare by identity
+            self.build = meta["cache_id"]
+        self._meta, self._meta_raw, self._stale = meta, raw, None
+        length = meta["length"]
+        verified = self._verified
+        if length <= _VERIFIED_MAX and (verified is None or len(verified) < length):
+            self._verified = bytearray(length)
+
+    def _same_build(self, txn: lmdb.Transaction) -> tuple[bool, dict[str, Any] | None, Any]:
+        """Does ``txn`` still hold the build this process adopted? (same, the metadata if it was parsed, its bytes).
+
+        One small get and a byte compare; the record is parsed only when its bytes changed
+        (a rebuild, or an older format's metadata upgraded in place with the same build id).
+        """
+        raw = txn.get(_metadata.KEY, db=self._meta_db)
+        if raw is None:
+            return False, None, None
+        if raw == self._meta_raw:
+            return True, None, raw
+        try:
+            meta = _metadata.validate(msgpack.unpackb(raw), self.path)
+        except Exception:  # damaged or hostile metadata: treated as another build
+            return False, None, raw
+        return meta["cache_id"] == self.build, meta, raw
+
+    def _check_build(self, txn: lmdb.Transaction) -> None:
+        """Raise if another process rebuilt the cache since this one adopted its build (once per read transaction)."""
+        same, meta, raw = self._same_build(txn)
+        if same:
+            if meta is not None:
+                self._meta, self._meta_raw = meta, bytes(raw)  # metadata upgraded in place
+            return
+        self._stale = _metadata.rebuilt_message(self.path, meta)
+        self._queue.forget()  # samples of the old build must not reach the new one
+        raise CacheMismatchError(self._stale)
+
+    def mismatch(self, build: str) -> CacheMismatchError:
+        """The error for a dataset opened on ``build`` when this store now holds another build."""
+        meta = self._meta
+        return CacheMismatchError(
+            self._stale
+            if self._stale is not None
+            else _metadata.rebuilt_message(self.path, meta).replace(
+                "after this process opened it", "in this process since this dataset opened it"
+            )
+        )
+
+    def _read_meta(self, env: lmdb.Environment) -> tuple[dict[str, Any], bytes] | None:
+        """The validated metadata record and its bytes, or None for an empty environment."""
+        with self._begin(env) as txn:
+            try:
+                raw = txn.get(_metadata.KEY, db=self._meta_db)
+                if raw is None:
+                    if txn.stat(self._samples)["entries"]:
+                        raise NotACacheError(
+                            f"Cache '{self.path}' has samples but no metadata; it was not written by lmdbcache."
+                        )
+                    return None
+                raw = bytes(raw)
+            except lmdb.Error as exc:
+                raise translate(exc, self.path, "reading the metadata of") from exc
+        return _metadata.parse(raw, self.path), raw
+
+    def _begin(self, env: lmdb.Environment, write: bool = False, db: Any = None) -> lmdb.Transaction:
+        if not write:
+            # One reader slot per process: the kept transaction and this one would take two
+            # (the aborted one stays in py-lmdb's spare-transaction cache with its slot).
+            self._drop_reader()
+        try:
+            return env.begin(db=db, write=write, buffers=True)
+        except lmdb.MapResizedError:
+            self._drop_reader()  # set_mapsize invalidates every transaction of this process
+            env.set_mapsize(0)  # another process grew the map: adopt its size
+            return env.begin(db=db, write=write, buffers=True)
+        except lmdb.ReadersFullError:
+            if env.reader_check():
+                return env.begin(db=db, write=write, buffers=True)
+            raise readers_full(self.path) from None
+        except lmdb.Error as exc:
+            raise translate(exc, self.path, "reading") from exc
+
+    def _begin_checked(self, env: lmdb.Environment, db: Any = None) -> lmdb.Transaction:
+        """A read transaction on the build this process adopted (else CacheMismatchError)."""
+        if self._stale is not None:
+            raise CacheMismatchError(self._stale)
+        txn = self._begin(env, db=db)
+        try:
+            self._check_build(txn)
+        except lmdb.Error as exc:
+            txn.abort()
+            raise translate(exc, self.path, "reading") from exc
+        except BaseException:
+            txn.abort()
+            raise
+        return txn
+
+    def _maybe_reader_check(self, env: lmdb.Environment) -> None:
+        """Clear dead processes' reader slots, at most every _READER_CHECK_INTERVAL seconds."""
+        now = time.monotonic()
+        if self._locked and now - self._last_reader_check >= _READER_CHECK_INTERVAL:
+            self._last_reader_check = now
+            try:
+                env.reader_check()
+            except lmdb.Error as exc:
+                raise translate(exc, self.path, "clearing stale readers of") from exc
+
+    def _drop_reader(self) -> None:
+        txn, self._rtxn = self._rtxn, None
+        if txn is not None:
+            txn.abort()
+
+    def _close_env(self) -> None:
+        self._drop_reader()
+        env, self._env = self._env, None
+        if env is not None:
+            env.close()
+
+    def _reserve(self, env: lmdb.Environment, need: int) -> None:
+        """Make room for a commit of ``need`` bytes (and apply a larger ``map_size`` asked for by ``reconcile``)."""
+        size = reserved_size(env, need, self.map_size)
+        if size is not None:
+            self._set_mapsize(env, size)
+
+    def _set_mapsize(self, env: lmdb.Environment, size: int) -> None:
+        self._drop_reader()  # set_mapsize invalidates every transaction of this process
+        env.set_mapsize(size)
+
+    def _write_lock(self) -> filelock.BaseFileLock:
+        if self._file_lock is None:
+            self._file_lock = filelock.FileLock(os.path.join(self.path, WRITE_LOCK))
+        return self._file_lock

@@ -1,0 +1,242 @@
+"""The read path: hits out of LMDB's memory map, checked as the store's checksum policy says.
+
+A hit is the hot path (``get``): one lock, a read transaction kept between hits (renewed
+every ``_READER_MAX_AGE`` seconds and on any miss, so it never pins old pages for long),
+a cursor lookup, and ``codec.decode`` with its one copy out of the map. The value's
+structure and its binding to the index are checked on every read; its record's bounds
+(``_guard``) and its data checksum the first time this process reads the index
+(``checksum="once"``, one flag byte per index), or the data checksum on every read
+(``"always"``). A miss is looked up again in a fresh snapshot and in this process's
+commit queue before it is reported ``MISSING``.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import lmdb
+
+from . import codec
+from ._handle import Handle
+from ._lmdb_errors import REBUILD, translate
+from .errors import CorruptCacheError, CorruptSampleError, LmdbCacheError
+
+__all__ = ["MISSING", "ReadPath"]
+
+MISSING: Any = type("Missing", (), {"__repr__": lambda self: "MISSING"})()
+
+_KEY = struct.Struct(">Q").pack
+_UNKEY = struct.Struct(">Q").unpack
+_decode = codec.decode
+_monotonic = time.monotonic
+_READER_MAX_AGE = 0.25  # seconds a kept read transaction may pin its snapshot
+
+
+class ReadPath(Handle):
+    """Reading samples and scanning keys (see the module docstring). Every public method takes the lock."""
+
+    def get(self, index: int, always: bool = False, build: str | None = None) -> Any:
+        """The decoded sample at ``index`` of the build ``build``, or ``MISSING``. The hot path: kept flat.
+
+        The value's structure (and its binding to ``index``) is checked on every read; its
+        record's bounds (``_guard``) the first time this process reads the index; its data
+        checksum then too, or on every read if ``always``. The build is checked under the lock, so a rebuild
+        by another object in this process can never slip between a caller's check and the read.
+        """
+        lock = self._lock
+        lock.acquire()  # not `with`: half the cost, and this runs once per sample
+        try:
+            if build is not self.build and build is not None and build != self.build:
+                raise self.mismatch(build)
+            txn = self._rtxn
+            if txn is None or _monotonic() >= self._rtxn_expires:
+                txn = self._reader()
+            verified = self._verified
+            if verified is not None and index < len(verified) and verified[index]:
+                try:
+                    raw = txn.get(_KEY(index))
+                except lmdb.Error as exc:
+                    raise self._read_failure(exc, index) from exc
+                if raw is not None:
+                    try:
+                        return _decode(raw, index, verify_data=always)
+                    except CorruptSampleError as exc:
+                        raise self._corrupt(index, exc) from None
+            else:
+                raw = self._fetch(txn, index)
+            if raw is None:
+                return self._get_fresh([index], always)[0]
+            return self._decode(raw, index, always)
+        finally:
+            lock.release()
+
+    def _reader(self) -> lmdb.Transaction:
+        """A read transaction for a hit: the one kept from the last hit if it is fresh.
+
+        Reusing it saves a begin/abort per sample. It is dropped on any miss (its snapshot
+        may predate another process's commit, and while filling it would only pin pages
+        that writers want to reuse) and renewed after _READER_MAX_AGE seconds. Each new
+        transaction first checks the cache was not rebuilt since this process adopted it.
+        """
+        txn = self._rtxn
+        if txn is not None:
+            if time.monotonic() < self._rtxn_expires:
+                return txn
+            self._drop_reader()
+        env = self._env or self._env_or_open()
+        self._maybe_reader_check(env)
+        txn = self._begin_checked(env, db=self._samples)
+        self._rtxn, self._rtxn_expires = txn, time.monotonic() + _READER_MAX_AGE
+        return txn
+
+    def _fetch(self, txn: lmdb.Transaction, index: int) -> Any:
+        """The stored value of ``index`` (a view into the map) or None, its record bounds-checked first."""
+        key = _KEY(index)
+        try:
+            guard = self._guard
+            if guard is None or not guard.start:
+                return txn.get(key, db=self._samples)
+            cursor = txn.cursor(db=self._samples)
+            if not cursor.set_key(key):
+                return None
+            problem = guard.problem(cursor.key())
+            if problem is not None:
+                raise CorruptCacheError(
+                    f"Cache '{self.path}' is damaged: the record of index {index} is broken ({problem}); it was not "
+                    f"read. {REBUILD}"
+                )
+            return cursor.value()
+        except lmdb.Error as exc:
+            raise self._read_failure(exc, index) from exc
+
+    def get_many(self, indices: list[int], always: bool = False, build: str | None = None) -> list[Any]:
+        """Decode a batch of the build ``build`` in one read transaction; misses come back as ``MISSING``."""
+        with self._lock:
+            if build is not None and build != self.build:
+                raise self.mismatch(build)
+            txn = self._reader()
+            get, decode, fetch, verified = txn.get, self._decode, self._fetch, self._verified
+            out = []
+            for index in indices:
+                if verified is not None and index < len(verified) and verified[index]:
+                    try:
+                        raw = get(_KEY(index))
+                    except lmdb.Error as exc:
+                        raise self._read_failure(exc, index) from exc
+                else:
+                    raw = fetch(txn, index)
+                out.append(MISSING if raw is None else decode(raw, index, always))
+            misses = [k for k, sample in enumerate(out) if sample is MISSING]
+            if misses:
+                for k, sample in zip(misses, self._get_fresh([indices[k] for k in misses], always)):
+                    out[k] = sample
+        return out
+
+    def _get_fresh(self, indices: list[int], always: bool) -> list[Any]:
+        """Look misses up again in a new snapshot, then in this process's queue. Holds self._lock."""
+        self._drop_reader()
+        out = []
+        with self._begin_checked(self._env or self._env_or_open()) as txn:
+            for index in indices:
+                raw = self._fetch(txn, index)
+                if raw is None:
+                    raw = self._queue.lookup(index)
+                out.append(MISSING if raw is None else self._decode(raw, index, always))
+        return out
+
+    def raw(self, index: int) -> bytes | None:
+        """The stored value of ``index`` as bytes (committed or queued here), or None."""
+        with self._lock:
+            self._drop_reader()
+            with self._begin_checked(self._env or self._env_or_open(), db=self._samples) as txn:
+                raw = self._fetch(txn, index)
+                if raw is None:
+                    return self._queue.lookup(index)
+                return bytes(raw)
+
+    def cached_near(self, starts: Iterable[int]) -> list[int]:
+        """For each start, the first cached index at or after it (wrapping around), without duplicates."""
+        found: list[int] = []
+        with self._lock:
+            self._drop_reader()
+            with self._begin_checked(self._env or self._env_or_open(), db=self._samples) as txn:
+                try:
+                    cursor = txn.cursor()
+                    for start in starts:
+                        if cursor.set_range(_KEY(start)) or cursor.first():
+                            key = cursor.key()
+                            if len(key) == 8 and _UNKEY(key)[0] not in found:
+                                found.append(_UNKEY(key)[0])
+                except lmdb.Error as exc:
+                    raise translate(exc, self.path, "reading") from exc
+        return found
+
+    def _decode(self, raw: Any, index: int, always: bool = False) -> Any:
+        verified = self._verified
+        try:
+            if verified is None or index >= len(verified):
+                return _decode(raw, index)
+            if verified[index]:
+                return _decode(raw, index, verify_data=always)
+            sample = _decode(raw, index)
+            verified[index] = 1  # its record's bounds and data checksums passed in this process
+            return sample
+        except CorruptSampleError as exc:
+            raise self._corrupt(index, exc) from None
+
+    def _corrupt(self, index: int, exc: CorruptSampleError) -> CorruptSampleError:
+        return CorruptSampleError(
+            f"Cache '{self.path}': the stored value of index {index} is damaged ({exc}); it was not returned. "
+            f"Run `lmdbcache verify --repair {self.path}` to drop damaged entries (they are decoded again "
+            "from the source on the next read)."
+        )
+
+    def _read_failure(self, exc: lmdb.Error, index: int) -> LmdbCacheError:
+        self._drop_reader()  # a transaction that failed is not reused
+        return translate(exc, self.path, f"reading index {index} of")
+
+    def iter_raw(self, start: int = 0, chunk: int = 256) -> Iterator[tuple[int, bytes]]:
+        """Yield (index, stored value) in key order, ``chunk`` records per read transaction."""
+        return self._scan(start, chunk, values=True)
+
+    def iter_keys(self, start: int = 0, chunk: int = 65536) -> Iterator[int]:
+        """Yield every cached index in order (keys only: no value is read)."""
+        return (index for index, _ in self._scan(start, chunk, values=False))
+
+    def _scan(self, start: int, chunk: int, values: bool) -> Iterator[tuple[int, Any]]:
+        # Short read transactions: a long scan never pins a snapshot that writers must move past.
+        key = _KEY(start)
+        while True:
+            batch: list[tuple[int, Any]] = []
+            with self._lock, self._begin_checked(self._env or self._env_or_open()) as txn:
+                try:
+                    cursor = txn.cursor(db=self._samples)
+                    for k in cursor.iternext(values=False) if cursor.set_range(key) else ():
+                        if len(k) != 8:
+                            raise CorruptCacheError(
+                                f"Cache '{self.path}' is damaged: it holds a key of {len(k)} bytes "
+                                f"({bytes(k)[:16]!r}), not an 8-byte index. {REBUILD}"
+                            )
+                        index = _UNKEY(k)[0]
+                        value = None
+                        if values:
+                            # Checked before the value is touched (see _guard), then copied out.
+                            problem = self._guard.problem(k) if self._guard is not None else None
+                            if problem is not None:
+                                raise CorruptCacheError(
+                                    f"Cache '{self.path}' is damaged: the record of index {index} is broken "
+                                    f"({problem}). {REBUILD}"
+                                )
+                            value = bytes(cursor.value())
+                        batch.append((index, value))
+                        if len(batch) == chunk:
+                            break
+                except lmdb.Error as exc:
+                    raise translate(exc, self.path, f"scanning (near index {_UNKEY(key)[0]})") from exc
+            yield from batch
+            if len(batch) < chunk or batch[-1][0] == 2**64 - 1:
+                return
+            key = _KEY(batch[-1][0] + 1)

@@ -1,0 +1,135 @@
+"""The write path: misses queued and committed in batches, map growth, direct writes and deletes.
+
+Misses are queued and committed by a background thread (``_commit``), one write
+transaction per batch, under the inter-process file lock ``lmdbcache.lock``. A key is never
+written twice (``overwrite=False``): when two processes decode one index, the first commit
+wins. Every write transaction first checks the cache still holds the build this process
+adopted, so samples of a replaced build never reach a new one. A commit that does not fit
+grows the map and re-puts every record of the batch, never just the last one.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+
+import lmdb
+
+from . import _fs
+from ._commit import Policy
+from ._env import grown_size
+from ._handle import Handle
+from ._lmdb_errors import write_failure
+from .errors import CacheMismatchError, LmdbCacheError, ReadOnlyCacheError
+
+__all__ = ["WritePath"]
+
+_KEY = struct.Struct(">Q").pack
+
+
+class WritePath(Handle):
+    """Queueing, committing and deleting samples (see the module docstring)."""
+
+    def add(self, index: int, value: bytes, build: str | None = None, policy: Policy | None = None) -> None:
+        """Queue one encoded sample for the build ``build``; the committer thread writes it (see ``_commit``).
+
+        ``build`` (the dataset's build id) guards against a rebuild in between: a sample of a
+        build this store no longer holds is refused, never written into the new one.
+        """
+        with self._lock:
+            if build is not None and build != self.build:
+                raise self.mismatch(build)
+            if self._stale is not None:
+                raise CacheMismatchError(self._stale)
+            if self.readonly or (self._env is None and not _fs.writable(self.path)):
+                raise ReadOnlyCacheError(
+                    f"Cache '{self.path}' is read-only (read-only directory or mount) and index {index} is not "
+                    "cached. Open the cache without a dataset, or copy it to a writable location to fill it."
+                )
+            self._queue.add(index, value, policy)
+
+    def flush(self) -> int:
+        """Commit this process's queued samples and wait for them; return how many were queued."""
+        with self._lock:
+            return self._queue.drain()
+
+    @property
+    def written(self) -> int:
+        """Samples this process's commits have written (indices already present are not counted)."""
+        return self._queue.written
+
+    def put_many(self, items: Iterable[tuple[int, bytes]], build: str | None = None) -> int:
+        """Write (index, value) pairs of the build ``build`` now, in one transaction, skipping indices present.
+
+        Returns the number of records actually written. A rebuild waits for the write (the
+        batch is in flight), so the build checked here is the one written into.
+        """
+        batch = sorted(items)
+        with self._lock:
+            if build is not None and build != self.build:
+                raise self.mismatch(build)
+            self._queue.begin_direct(batch)
+        try:
+            return self._write_batch(batch)
+        finally:
+            with self._lock:
+                self._queue.end_direct()
+
+    def _write_batch(self, batch: list[tuple[int, bytes]]) -> int:
+        """One write transaction for ``batch``; called without the lock (it takes it to grow the map).
+
+        Grows the map as needed; every record is re-put after a growth, never just the
+        last one.
+        """
+        if not batch:
+            return 0
+        items = [(_KEY(i), v) for i, v in batch]
+        need = sum(len(k) + len(v) for k, v in items)
+        with self._write_lock():
+            with self._lock:
+                env = self._env or self._env_or_open()
+                self._maybe_reader_check(env)
+                self._reserve(env, need)
+            for _ in range(64):
+                try:
+                    written = 0
+                    with env.begin(write=True) as txn:
+                        self._check_cache_id(txn)
+                        put, db = txn.put, self._samples
+                        for key, value in items:
+                            written += put(key, value, db=db, overwrite=False)
+                    return written
+                except lmdb.MapFullError:
+                    with self._lock:
+                        self._set_mapsize(env, grown_size(env, need))
+                except lmdb.MapResizedError:
+                    with self._lock:
+                        self._drop_reader()
+                        env.set_mapsize(0)
+                except lmdb.Error as exc:
+                    raise write_failure(
+                        exc,
+                        self.path,
+                        f"{len(items)} samples were not cached (they are decoded again on the next read; "
+                        "everything committed before is intact)",
+                    ) from exc
+        raise LmdbCacheError(f"Cache '{self.path}': could not make room for {need} bytes after 64 map growths.")
+
+    def _check_cache_id(self, txn: lmdb.Transaction) -> None:
+        """Inside a write transaction: refuse to write into a build this process did not adopt."""
+        if not self._same_build(txn)[0]:
+            raise CacheMismatchError(
+                f"Cache '{self.path}' was rebuilt by another process (overwrite=True) while this one was filling "
+                "it; its queued samples were dropped. Create the dataset again."
+            )
+
+    def delete(self, keys: Iterable[int]) -> int:
+        """Delete the given indices (used by ``verify --repair``); returns how many existed."""
+        with self._lock:
+            env = self._env or self._env_or_open()
+            try:
+                with self._write_lock(), env.begin(write=True) as txn:
+                    self._check_cache_id(txn)
+                    return sum(txn.delete(_KEY(k), db=self._samples) for k in keys)
+            except lmdb.Error as exc:
+                raise write_failure(exc, self.path, "nothing was deleted") from exc
