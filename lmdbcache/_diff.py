@@ -52,7 +52,9 @@ def first_difference(cached: Any, fresh: Any, where: str = "sample") -> str | No
     return None if cached == fresh else f"{where} is {cached!r:.60} in the cache but {fresh!r:.60} from the source"
 
 
-def _arrays(where: str, dtype_a: Any, dtype_b: Any, shape_a: tuple, shape_b: tuple, a: Any, b: Any) -> str | None:
+def _arrays(
+    where: str, dtype_a: Any, dtype_b: Any, shape_a: tuple[int, ...], shape_b: tuple[int, ...], a: Any, b: Any
+) -> str | None:
     if dtype_a != dtype_b:
         return f"{where} has dtype {dtype_a} in the cache but {dtype_b} from the source"
     if shape_a != shape_b:

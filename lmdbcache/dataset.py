@@ -128,17 +128,18 @@ class CachedDataset(Dataset[Any]):
         self._options = dict(map_size=map_size, max_readers=max_readers)
         self._policy = Policy(commit_every, parse_size(commit_bytes, "commit_bytes"), commit_interval)
         self._always = checksum == "always"
+        self._open(fingerprint, overwrite, spot_check)
+
+    def _open(self, fingerprint: str | None, overwrite: bool, spot_check: int) -> None:
+        """Open (create, check or rebuild) the cache for this dataset; on error nothing stays open."""
+        dataset = self.dataset
         length = None if dataset is None else _dataset_length(dataset)
         if dataset is not None and fingerprint is None:
             fingerprint = default_fingerprint(dataset)
         store, meta = _registry.open_store(
-            self.path,
-            length=length,
-            fingerprint=fingerprint,
-            overwrite=overwrite,
-            create=dataset is not None,
+            self.path, length=length, fingerprint=fingerprint, overwrite=overwrite, create=dataset is not None,
             **self._options,
-        )
+        )  # fmt: skip
         try:
             self._store: Store | None = store
             self._length: int = meta["length"]
