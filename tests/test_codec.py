@@ -24,6 +24,7 @@ from hypothesis import given, settings
 from strategies import numpy_arrays, samples, structured_arrays, tensors
 
 from lmdbcache import CorruptSampleError, InvalidOptionError, UnsupportedSampleError
+from lmdbcache._format import PIL_BITS
 from lmdbcache._version import FORMAT_VERSION
 from lmdbcache.codec import TORCH_DTYPES, decode, encode
 
@@ -271,11 +272,9 @@ def test_pil_images(mode):
 def test_pil_mode_table_matches_pillow():
     """Every mode Pillow has is stored, and the byte count the reader demands is what tobytes() gives."""
     Image = pytest.importorskip("PIL.Image")
-    from lmdbcache.codec import _PIL_BITS
-
-    assert set(getattr(Image, "MODES", _PIL_BITS)) <= set(_PIL_BITS)
+    assert set(getattr(Image, "MODES", PIL_BITS)) <= set(PIL_BITS)
     rng = np.random.default_rng(1)
-    for mode, bits in _PIL_BITS.items():
+    for mode, bits in PIL_BITS.items():
         for width, height in [(13, 5), (1, 1), (0, 4), (9, 0)]:
             im = Image.new(mode, (width, height))
             assert len(im.tobytes()) == (width * bits + 7) // 8 * height, (mode, width, height)
