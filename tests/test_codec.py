@@ -1033,15 +1033,3 @@ def test_decode_raises_only_corrupt_sample_error():
             pytest.fail(f"round {n}: {type(exc).__name__}: {exc} for value {damaged!r}")
     assert outcomes["corrupt"] > rounds // 2 and outcomes["decoded"] > 0, outcomes
 
-
-def test_errors_pickle_as_the_dataloader_rebuilds_them():
-    """Every library error survives type(exc)(message), which is how worker exceptions reach the main process."""
-    import lmdbcache
-
-    for name in lmdbcache.__all__:
-        cls = getattr(lmdbcache, name)
-        if isinstance(cls, type) and issubclass(cls, lmdbcache.LmdbCacheError):
-            exc = cls("what, where and how to fix")
-            again = pickle.loads(pickle.dumps(exc))
-            assert type(again) is cls and str(again) == str(exc) == str(type(exc)(str(exc)))
-            assert isinstance(again, lmdbcache.LmdbCacheError)
