@@ -22,7 +22,9 @@ import xxhash
 from helpers import assert_same, tensor_bytes
 from hypothesis import given, settings
 from strategies import numpy_arrays, samples, structured_arrays, tensors
+from test_processes import run_script
 
+import lmdbcache
 from lmdbcache import CorruptSampleError, InvalidOptionError, UnsupportedSampleError
 from lmdbcache._format import PIL_BITS
 from lmdbcache._version import FORMAT_VERSION
@@ -928,6 +930,54 @@ def test_writable_buffers_decode():
             assert_same(sample, decode(form, INDEX))
 
 
+# Run in a fresh interpreter: samples without a tensor, then a value holding one (argv[1], index argv[3]).
+_TORCH_ONLY_FOR_TENSORS = """
+import numpy as np
+from lmdbcache.codec import decode, encode
+
+samples = [
+    (1, 2.5, True),  # the flat form, without a tensor
+    {"a": [np.arange(6).reshape(2, 3), "x", None], 1: np.float32(1.5)},
+    [10**30, b"raw", np.zeros(2, dtype=[("x", "<f4"), ("y", "<i8", (2,))])],
+]
+for index, sample in enumerate(samples):
+    back = decode(encode(sample, index), index)
+    assert repr(back) == repr(sample), (back, sample)
+imported = sorted({name.split(".")[0] for name in sys.modules} & {"torch", "PIL"})
+assert not imported, imported
+t = decode(bytes.fromhex(sys.argv[1]), int(sys.argv[3]))[0]
+assert "torch" in sys.modules and type(t).__module__ == "torch" and t.tolist() == [0, 1, 2]
+"""
+# The codec's own modules, loaded under a stand-in for the package's __init__ (argv[2] is the package directory).
+_CODEC_MODULES_ALONE = """
+import sys, types
+package = types.ModuleType("lmdbcache")
+package.__path__ = [sys.argv[2]]
+sys.modules["lmdbcache"] = package
+"""
+
+
+@pytest.mark.parametrize(
+    "load",
+    [
+        pytest.param(
+            "import sys\nimport lmdbcache.codec\n",
+            id="import lmdbcache.codec",
+            marks=pytest.mark.xfail(
+                strict=True,
+                raises=AssertionError,
+                reason="lmdbcache/__init__ imports torch until the lazy __init__ lands",
+            ),
+        ),
+        pytest.param(_CODEC_MODULES_ALONE, id="codec modules alone"),
+    ],
+)
+def test_codec_imports_torch_only_for_a_tensor(load):
+    """Samples without tensors encode and decode without importing torch or Pillow; a tensor record imports torch."""
+    value = encode((torch.arange(3), 1), INDEX)
+    run_script(load + _TORCH_ONLY_FOR_TENSORS, value.hex(), lmdbcache.__path__[0], str(INDEX))
+
+
 # ----------------------------------------------------------------------------------------
 # Fuzzing the reader: valid values, mutated, with and without the structure checksum
 # recomputed (so that the parser itself, not only the checksum, meets the damage).
@@ -1032,4 +1082,3 @@ def test_decode_raises_only_corrupt_sample_error():
         except Exception as exc:  # pragma: no cover - the failure this test exists for
             pytest.fail(f"round {n}: {type(exc).__name__}: {exc} for value {damaged!r}")
     assert outcomes["corrupt"] > rounds // 2 and outcomes["decoded"] > 0, outcomes
-
