@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import importlib.util
 import os
 import pathlib
 import pickle
@@ -22,8 +23,11 @@ import xxhash
 from helpers import assert_same, tensor_bytes
 from hypothesis import given, settings
 from strategies import numpy_arrays, samples, structured_arrays, tensors
+from test_processes import run_script
 
+import lmdbcache
 from lmdbcache import CorruptSampleError, InvalidOptionError, UnsupportedSampleError
+from lmdbcache._format import PIL_BITS
 from lmdbcache._version import FORMAT_VERSION
 from lmdbcache.codec import TORCH_DTYPES, decode, encode
 
@@ -271,11 +275,9 @@ def test_pil_images(mode):
 def test_pil_mode_table_matches_pillow():
     """Every mode Pillow has is stored, and the byte count the reader demands is what tobytes() gives."""
     Image = pytest.importorskip("PIL.Image")
-    from lmdbcache.codec import _PIL_BITS
-
-    assert set(getattr(Image, "MODES", _PIL_BITS)) <= set(_PIL_BITS)
+    assert set(getattr(Image, "MODES", PIL_BITS)) <= set(PIL_BITS)
     rng = np.random.default_rng(1)
-    for mode, bits in _PIL_BITS.items():
+    for mode, bits in PIL_BITS.items():
         for width, height in [(13, 5), (1, 1), (0, 4), (9, 0)]:
             im = Image.new(mode, (width, height))
             assert len(im.tobytes()) == (width * bits + 7) // 8 * height, (mode, width, height)
@@ -400,12 +402,13 @@ def test_index_out_of_range_is_refused():
         encode(1, 1.0)
 
 
-GOLDEN_SAMPLES = [  # the samples in tests/data/golden-v1 (see tests/data/make_golden.py and test_store.py)
-    (torch.arange(12, dtype=torch.uint8).reshape(3, 2, 2), 7),
-    {"x": np.arange(6, dtype="<f4").reshape(2, 3), "tokens": [torch.tensor([1, 2, 3]), torch.tensor([4])], "id": "a"},
-    [None, True, 2**70, -1.5, b"raw", ("t", 1)],
-    (np.float32(0.5), torch.tensor(3.0, dtype=torch.bfloat16)),
-]
+def golden_samples(version: int) -> list[Any]:
+    """What tests/data/golden-v<version> holds, from the script that wrote it (tests/data/make_golden.py)."""
+    spec = importlib.util.spec_from_file_location("make_golden", GOLDEN.parent / "make_golden.py")
+    assert spec is not None and spec.loader is not None
+    make_golden = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_golden)
+    return make_golden.golden_samples(version)
 
 
 def test_format_1_values_decode_under_any_index(tmp_path):
@@ -415,13 +418,14 @@ def test_format_1_values_decode_under_any_index(tmp_path):
         db = env.open_db(b"samples", create=False)
         with env.begin(db=db) as txn:
             values = [(struct.unpack(">Q", key)[0], bytes(value)) for key, value in txn.cursor()]
-    assert [index for index, _ in values] == list(range(len(GOLDEN_SAMPLES)))
+    expected = golden_samples(1)
+    assert [index for index, _ in values] == list(range(len(expected)))
     for index, value in values:
         assert value[:4] == b"LMC\x01"
         for under in (index, index + 1, 0, 2**64 - 1):
             for verify_data in (True, False):
-                assert_same(GOLDEN_SAMPLES[index], decode(value, under, verify_data=verify_data))
-                assert_same(GOLDEN_SAMPLES[index], decode(memoryview(value), under, verify_data=verify_data))
+                assert_same(expected[index], decode(value, under, verify_data=verify_data))
+                assert_same(expected[index], decode(memoryview(value), under, verify_data=verify_data))
 
 
 def test_newer_format_asks_for_an_upgrade():
@@ -929,6 +933,54 @@ def test_writable_buffers_decode():
             assert_same(sample, decode(form, INDEX))
 
 
+# Run in a fresh interpreter: samples without a tensor, then a value holding one (argv[1], index argv[3]).
+_TORCH_ONLY_FOR_TENSORS = """
+import numpy as np
+from lmdbcache.codec import decode, encode
+
+samples = [
+    (1, 2.5, True),  # the flat form, without a tensor
+    {"a": [np.arange(6).reshape(2, 3), "x", None], 1: np.float32(1.5)},
+    [10**30, b"raw", np.zeros(2, dtype=[("x", "<f4"), ("y", "<i8", (2,))])],
+]
+for index, sample in enumerate(samples):
+    back = decode(encode(sample, index), index)
+    assert repr(back) == repr(sample), (back, sample)
+imported = sorted({name.split(".")[0] for name in sys.modules} & {"torch", "PIL"})
+assert not imported, imported
+t = decode(bytes.fromhex(sys.argv[1]), int(sys.argv[3]))[0]
+assert "torch" in sys.modules and type(t).__module__ == "torch" and t.tolist() == [0, 1, 2]
+"""
+# The codec's own modules, loaded under a stand-in for the package's __init__ (argv[2] is the package directory).
+_CODEC_MODULES_ALONE = """
+import sys, types
+package = types.ModuleType("lmdbcache")
+package.__path__ = [sys.argv[2]]
+sys.modules["lmdbcache"] = package
+"""
+
+
+@pytest.mark.parametrize(
+    "load",
+    [
+        pytest.param(
+            "import sys\nimport lmdbcache.codec\n",
+            id="import lmdbcache.codec",
+            marks=pytest.mark.xfail(
+                strict=True,
+                raises=AssertionError,
+                reason="lmdbcache/__init__ imports torch until the lazy __init__ lands",
+            ),
+        ),
+        pytest.param(_CODEC_MODULES_ALONE, id="codec modules alone"),
+    ],
+)
+def test_codec_imports_torch_only_for_a_tensor(load):
+    """Samples without tensors encode and decode without importing torch or Pillow; a tensor record imports torch."""
+    value = encode((torch.arange(3), 1), INDEX)
+    run_script(load + _TORCH_ONLY_FOR_TENSORS, value.hex(), lmdbcache.__path__[0], str(INDEX))
+
+
 # ----------------------------------------------------------------------------------------
 # Fuzzing the reader: valid values, mutated, with and without the structure checksum
 # recomputed (so that the parser itself, not only the checksum, meets the damage).
@@ -1033,16 +1085,3 @@ def test_decode_raises_only_corrupt_sample_error():
         except Exception as exc:  # pragma: no cover - the failure this test exists for
             pytest.fail(f"round {n}: {type(exc).__name__}: {exc} for value {damaged!r}")
     assert outcomes["corrupt"] > rounds // 2 and outcomes["decoded"] > 0, outcomes
-
-
-def test_errors_pickle_as_the_dataloader_rebuilds_them():
-    """Every library error survives type(exc)(message), which is how worker exceptions reach the main process."""
-    import lmdbcache
-
-    for name in lmdbcache.__all__:
-        cls = getattr(lmdbcache, name)
-        if isinstance(cls, type) and issubclass(cls, lmdbcache.LmdbCacheError):
-            exc = cls("what, where and how to fix")
-            again = pickle.loads(pickle.dumps(exc))
-            assert type(again) is cls and str(again) == str(exc) == str(type(exc)(str(exc)))
-            assert isinstance(again, lmdbcache.LmdbCacheError)

@@ -2,6 +2,9 @@
 
 Run only when the format changes (and then add a new golden directory; never rewrite an old one):
     python tests/data/make_golden.py
+
+``golden_samples(version)`` is what each golden cache holds; the tests that read them import it
+from here. This script imports the library and nothing from the tests.
 """
 
 from __future__ import annotations
@@ -9,23 +12,57 @@ from __future__ import annotations
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
 
 HERE = Path(__file__).parent
-sys.path[:0] = [str(HERE.parent.parent), str(HERE.parent)]
 
-from helpers import Listed  # noqa: E402
-from test_store import golden_samples  # noqa: E402
 
-import lmdbcache  # noqa: E402
+def golden_samples(version: int = 1) -> list[Any]:
+    """The samples stored in tests/data/golden-v<version>."""
+    if version >= 2:
+        padded = np.dtype({"names": ["a", "b"], "formats": ["<u1", "<f8"], "offsets": [0, 8], "itemsize": 24})
+        records = np.zeros(2, dtype=padded)  # zeros: the padding bytes are stored too
+        records["a"], records["b"] = [1, 3], [2.5, -1.0]
+        return [
+            *golden_samples(1),
+            records,
+            {"big": 10**40, "neg": -(2**100), "deep": [[[(1,)]]]},
+            (torch.arange(6, dtype=torch.int16).reshape(2, 3).t(), np.float16(1.5), True),
+        ]
+    return [
+        (torch.arange(12, dtype=torch.uint8).reshape(3, 2, 2), 7),
+        {
+            "x": np.arange(6, dtype="<f4").reshape(2, 3),
+            "tokens": [torch.tensor([1, 2, 3]), torch.tensor([4])],
+            "id": "a",
+        },
+        [None, True, 2**70, -1.5, b"raw", ("t", 1)],
+        (np.float32(0.5), torch.tensor(3.0, dtype=torch.bfloat16)),
+    ]
 
-out = HERE / f"golden-v{lmdbcache.FORMAT_VERSION}"
-if out.exists():
-    sys.exit(f"{out} exists: golden caches are never rewritten")
-samples = golden_samples(lmdbcache.FORMAT_VERSION)
-with lmdbcache.CachedDataset(Listed(samples), out, fingerprint="golden", map_size=1 << 20) as ds:
-    ds.__getitems__(list(range(len(ds))))
-for name in ("lock.mdb", "lmdbcache.lock"):
-    (out / name).unlink(missing_ok=True)
-shutil.copy(out / "data.mdb", out / "data.mdb.tmp")
-(out / "data.mdb.tmp").replace(out / "data.mdb")
-print(f"wrote {out}")
+
+def write_golden(out: Path, version: int) -> None:
+    """Fill a new cache at ``out`` with ``golden_samples(version)`` and keep only its data file."""
+    import lmdbcache
+
+    samples = golden_samples(version)  # a list is a map-style dataset
+    with lmdbcache.CachedDataset(samples, out, fingerprint="golden", map_size=1 << 20) as ds:
+        ds.__getitems__(list(range(len(ds))))
+    for name in ("lock.mdb", "lmdbcache.lock"):
+        (out / name).unlink(missing_ok=True)
+    shutil.copy(out / "data.mdb", out / "data.mdb.tmp")
+    (out / "data.mdb.tmp").replace(out / "data.mdb")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE.parent.parent))  # this checkout's lmdbcache, installed or not
+    from lmdbcache import FORMAT_VERSION
+
+    target = HERE / f"golden-v{FORMAT_VERSION}"
+    if target.exists():
+        sys.exit(f"{target} exists: golden caches are never rewritten")
+    write_golden(target, FORMAT_VERSION)
+    print(f"wrote {target}")
