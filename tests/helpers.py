@@ -234,3 +234,14 @@ def raw_cache(path: Any, write: bool = True) -> Iterator[tuple[Any, Any, Any]]:
 def key(index: int) -> bytes:
     """The LMDB key of an index (8 bytes, big-endian)."""
     return index.to_bytes(8, "big")
+
+
+def golden_samples(version: int = 1) -> list[Any]:
+    """What tests/data/golden-v<version> holds, from the script that wrote it (tests/data/make_golden.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_golden", Path(__file__).parent / "data" / "make_golden.py")
+    assert spec is not None and spec.loader is not None
+    make_golden = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_golden)
+    return make_golden.golden_samples(version)  # type: ignore[no-any-return]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import datetime
-import importlib.util
 import os
 import pathlib
 import pickle
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-from helpers import assert_same, tensor_bytes
+from helpers import assert_same, golden_samples, tensor_bytes
 from hypothesis import given, settings
 from strategies import numpy_arrays, samples, structured_arrays, tensors
 from test_processes import run_script
@@ -400,15 +399,6 @@ def test_index_out_of_range_is_refused():
             decode(value, bad)
     with pytest.raises(InvalidOptionError):
         encode(1, 1.0)
-
-
-def golden_samples(version: int) -> list[Any]:
-    """What tests/data/golden-v<version> holds, from the script that wrote it (tests/data/make_golden.py)."""
-    spec = importlib.util.spec_from_file_location("make_golden", GOLDEN.parent / "make_golden.py")
-    assert spec is not None and spec.loader is not None
-    make_golden = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make_golden)
-    return make_golden.golden_samples(version)
 
 
 def test_format_1_values_decode_under_any_index(tmp_path):

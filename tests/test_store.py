@@ -11,10 +11,9 @@ from pathlib import Path
 
 import lmdb
 import msgpack
-import numpy as np
 import pytest
 import torch
-from helpers import Listed, Synthetic, assert_same, key, raw_cache, sample_for
+from helpers import Listed, Synthetic, assert_same, golden_samples, key, raw_cache, sample_for
 from test_processes import run_script
 
 import lmdbcache
@@ -29,30 +28,6 @@ from lmdbcache import (
 )
 
 GOLDEN = Path(__file__).parent / "data" / "golden-v1"
-
-
-def golden_samples(version: int = 1):
-    """The samples stored in tests/data/golden-v<version> (see tests/data/make_golden.py)."""
-    if version >= 2:
-        padded = np.dtype({"names": ["a", "b"], "formats": ["<u1", "<f8"], "offsets": [0, 8], "itemsize": 24})
-        records = np.zeros(2, dtype=padded)  # zeros: the padding bytes are stored too
-        records["a"], records["b"] = [1, 3], [2.5, -1.0]
-        return [
-            *golden_samples(1),
-            records,
-            {"big": 10**40, "neg": -(2**100), "deep": [[[(1,)]]]},
-            (torch.arange(6, dtype=torch.int16).reshape(2, 3).t(), np.float16(1.5), True),
-        ]
-    return [
-        (torch.arange(12, dtype=torch.uint8).reshape(3, 2, 2), 7),
-        {
-            "x": np.arange(6, dtype="<f4").reshape(2, 3),
-            "tokens": [torch.tensor([1, 2, 3]), torch.tensor([4])],
-            "id": "a",
-        },
-        [None, True, 2**70, -1.5, b"raw", ("t", 1)],
-        (np.float32(0.5), torch.tensor(3.0, dtype=torch.bfloat16)),
-    ]
 
 
 @contextlib.contextmanager

@@ -1,7 +1,4 @@
-"""Tests that were in test_codec.py but guard another module's promise, waiting for their own file.
-
-test_errors_pickle_as_the_dataloader_rebuilds_them guards errors.py: it belongs in a test_errors.py.
-"""
+"""errors.py: every library error pickles and rebuilds from one string, as the DataLoader re-raises it."""
 
 from __future__ import annotations
 
