@@ -7,7 +7,9 @@ straight into the batch tensors (``_gather``: large copies release the GIL). Up 
 ``prefetch`` finished batches wait in a queue. The threads live for one pass: a pass that
 ends (exhausted, ``break``, an exception, KeyboardInterrupt, ``close()``) joins them.
 
-Buffers. Batch tensors come from a ring of ``prefetch + 2`` slots per sample layout. A slot
+Buffers. Batch tensors come from a ring of ``prefetch + 3`` slots per sample layout: the
+``prefetch`` queued batches, the one being filled, the one the consumer's loop variable
+still holds while it asks for the next, and the one being handed over. A slot
 is reused only when the storage use count of its tensors is back where it was when it was
 allocated: no tensor handed out from it, nor any view, numpy array or storage of one, is
 alive. A batch a user keeps therefore never changes under them (a fresh slot is allocated
@@ -29,7 +31,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -140,7 +142,7 @@ class Loader:
         self.batch_transform = batch_transform
         self.world = _world(rank, world_size)
         self.epoch, self.delivered = 0, 0
-        self._ring = _Ring(prefetch + 2, batch_size)
+        self._ring = _Ring(prefetch + 3, batch_size)  # see the module docstring
         self._layouts: dict[bytes, Layout] = {}
         self._pass: _Pass | None = None
         self._closed = False
@@ -208,7 +210,7 @@ class Loader:
             self._pass.stop()  # one pass at a time: a new iter replaces an abandoned one
         epoch = self.epoch
         batches = self.batches(epoch)
-        if self.delivered >= len(batches):
+        if self.delivered >= len(batches) > 0:
             epoch, self.epoch, self.delivered = epoch + 1, epoch + 1, 0
             batches = self.batches(epoch)
         return self._run(epoch, batches, self.delivered)
@@ -327,8 +329,8 @@ class _Pass:
             futures: list[Future[bool]] = [
                 self.pool.submit(buffers.fill, views, checks, indices, lo, hi) for lo, hi in itertools.pairwise(bounds)
             ]
-            results = [f.result() for f in futures]  # every copy ends before the lock is released
-            if not all(results):
+            wait(futures)  # every copy ends before the lock is released, even when one of them fails
+            if not all([f.result() for f in futures]):
                 return None
             return buffers.batch(n)
 
