@@ -61,6 +61,7 @@ class Layout:
             offsets.append((at, code))
             at += struct.calcsize("<" + code)
         self.scalars = offsets
+        self.sample_bytes = sum(spec[1] for spec in self.tensors) + self.scalar_size
         if order is None:
             order = tuple(range(len(tensors))) + tuple(~k for k in range(len(codes)))
         self.order: tuple[int, ...] = tuple(order)

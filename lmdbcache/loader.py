@@ -3,7 +3,8 @@
 Threads. One planner thread turns the epoch's order into batches of indices, looks each
 batch up in one read transaction under the store's lock (``ReadPath.read_batch``) and hands
 whole slices of the batch to a pool of ``num_threads`` copy threads; each copies its values
-straight into the batch tensors (``_gather``: large copies release the GIL). Up to
+straight into the batch tensors (``_gather``: large copies release the GIL). A batch under
+1 MiB is copied by the planner itself (``_INLINE``: its copies are GIL-bound anyway). Up to
 ``prefetch`` finished batches wait in a queue. The threads live for one pass: a pass that
 ends (exhausted, ``break``, an exception, KeyboardInterrupt, ``close()``) joins them.
 
@@ -47,7 +48,10 @@ if TYPE_CHECKING:
 
 __all__ = ["Loader"]
 
-_DONE = object()
+# A batch smaller than this is copied by the planner thread itself: its per-sample work holds
+# the GIL anyway, and the hand-off to the pool cost more than it saved (3x32x32, batch 64:
+# 331k -> 365k samples/s on one thread, 259k -> 415k on two; bench/loader.py).
+_INLINE = 1 << 20
 
 
 def _world(rank: int | None, world_size: int | None) -> tuple[int, int] | None:
@@ -325,6 +329,8 @@ class _Pass:
             buffers = loader._ring.acquire(layout)
             taken.append(buffers)
             n, parts = len(views), min(loader.num_threads, len(views))
+            if layout.sample_bytes * n < _INLINE:
+                return buffers.batch(n) if buffers.fill(views, checks, indices, 0, n) else None
             bounds = [n * p // parts for p in range(parts + 1)]
             futures: list[Future[bool]] = [
                 self.pool.submit(buffers.fill, views, checks, indices, lo, hi) for lo, hi in itertools.pairwise(bounds)

@@ -64,7 +64,7 @@ KINDS = {
 
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize(("shuffle", "drop_last"), [(False, False), (True, False), (True, True)])
-def test_batches_equal_dataloader(cache_dir, kind, shuffle, drop_last):
+def test_batches_equal_dataloader(cache_dir, kind, shuffle, drop_last, copies):
     """Every batch equals DataLoader+default_collate's with the same generator seed (partial last batch, drop_last)."""
     ds = warm(CachedDataset(KINDS[kind](), cache_dir))
     with ds.loader(16, shuffle=shuffle, drop_last=drop_last, seed=5) as loader:
@@ -74,7 +74,15 @@ def test_batches_equal_dataloader(cache_dir, kind, shuffle, drop_last):
     same(got, want)
 
 
-def test_flat_batches_take_the_copy_path(cache_dir, monkeypatch):
+@pytest.fixture(params=["inline", "pool"])
+def copies(request, monkeypatch):
+    """Small batches are copied by the planner thread; 'pool' forces them onto the copy threads."""
+    if request.param == "pool":
+        monkeypatch.setattr(loader_module, "_INLINE", 0)
+    return request.param
+
+
+def test_flat_batches_take_the_copy_path(cache_dir, monkeypatch, copies):
     """A warm cache of flat samples is read by copying out of the map, never through __getitems__."""
     ds = warm(CachedDataset(Listed([flat_mixed(i) for i in range(40)]), cache_dir))
 
@@ -186,7 +194,7 @@ def test_two_resumes_in_a_row_and_at_the_end_of_an_epoch(cache_dir):
     assert state == {"seed": 3, "epoch": 1, "batches": 2}
 
 
-def test_a_kept_batch_is_never_overwritten(cache_dir):
+def test_a_kept_batch_is_never_overwritten(cache_dir, copies):
     """Batches (and views of them) kept by the user keep their values; dropped buffers are reused."""
     ds = warm(CachedDataset(Synthetic(64), cache_dir))
     loader = ds.loader(4, shuffle=True, prefetch=1)
@@ -255,7 +263,7 @@ def damage_in_place(path, index):
 
 @pytest.mark.parametrize("checksum", ["once", "always"])
 @pytest.mark.parametrize(("what", "at"), [("data", -1), ("structure", 30), ("header", 10)])
-def test_a_damaged_value_raises_what_the_dataset_raises(cache_dir, checksum, what, at):
+def test_a_damaged_value_raises_what_the_dataset_raises(cache_dir, checksum, what, at, copies):
     """A damaged value raises CorruptSampleError with the dataset's message; no batch holding it is yielded."""
     warm(CachedDataset(Synthetic(24), cache_dir)).close()
     damage(cache_dir, 13, at)
