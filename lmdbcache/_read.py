@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import struct
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import lmdb
@@ -134,6 +134,53 @@ class ReadPath(Handle):
                 for k, sample in zip(misses, self._get_fresh([indices[k] for k in misses], always)):
                     out[k] = sample
         return out
+
+    def read_batch(
+        self, indices: list[int], always: bool, build: str | None, copy: Callable[[list[Any], list[bool]], Any]
+    ) -> Any:
+        """``copy(views, check_data)`` run under the lock and one read transaction; ``MISSING`` if any index is.
+
+        The loader's gather (``_gather``): ``views`` are the stored values (views into the map,
+        valid only during the call; each record bounds-checked first as in ``get``), and
+        ``check_data[k]`` says whether the data checksum of ``views[k]`` must be verified now
+        (``always``, or the first read of the index in this process). When ``copy`` returns
+        anything but None (None: it did not use the values), those indices are marked
+        verified. ``copy`` may hand the views to other threads but must wait for them: the
+        lock keeps the map from moving (growth) under them. A ``CorruptSampleError``
+        carrying an ``index`` attribute is raised as ``get`` raises it.
+        """
+        with self._lock:
+            if build is not None and build != self.build:
+                raise self.mismatch(build)
+            txn = self._reader()
+            get, fetch, verified = txn.get, self._fetch, self._verified
+            views: list[Any] = []
+            checks: list[bool] = []
+            for index in indices:
+                known = verified is not None and index < len(verified) and verified[index]
+                if known:
+                    try:
+                        raw = get(_KEY(index))
+                    except lmdb.Error as exc:
+                        raise self._read_failure(exc, index) from exc
+                else:
+                    raw = fetch(txn, index)
+                if raw is None:
+                    return MISSING  # the caller reads the batch again through get_many, which looks again
+                views.append(raw)
+                checks.append(always or not known)
+            try:
+                result = copy(views, checks)
+            except CorruptSampleError as exc:
+                where = getattr(exc, "index", None)
+                if where is None:
+                    raise
+                raise self._corrupt(where, exc) from None
+            if verified is not None and result is not None:
+                for index, checked in zip(indices, checks):
+                    if checked and index < len(verified):
+                        verified[index] = 1  # bounds and data checksum passed in this process
+            return result
 
     def _get_fresh(self, indices: list[int], always: bool) -> list[Any]:
         """Look misses up again in a new snapshot, then in this process's queue. Holds self._lock."""

@@ -6,7 +6,7 @@ import operator
 import os
 import random
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xxhash
@@ -19,6 +19,9 @@ from ._options import check_options, parse_size
 from .codec import decode, encode
 from .errors import CacheMismatchError, InvalidOptionError, SampleNotCachedError
 from .store import MISSING, Store
+
+if TYPE_CHECKING:
+    from .loader import Loader
 
 __all__ = ["CachedDataset", "default_fingerprint"]
 
@@ -282,6 +285,16 @@ class CachedDataset(Dataset[Any]):
                     "fingerprint= that names what changed, or overwrite=True to rebuild; if the dataset applies "
                     "random augmentation, move it to transform=. (spot_check=0 turns this check off.)"
                 )
+
+    def loader(self, batch_size: int, **kwargs: Any) -> Loader:
+        """Batches equal to ``DataLoader(self, batch_size, collate_fn=default_collate)``'s, copied from the map.
+
+        See ``lmdbcache.loader.Loader`` for the options (shuffle, seed, drop_last,
+        num_threads, prefetch, rank, world_size, batch_transform), order and resume.
+        """
+        from .loader import Loader  # lazy: keeps `import lmdbcache` light
+
+        return Loader(self, batch_size, **kwargs)
 
     # ------------------------------------------------------------------ the cache
 

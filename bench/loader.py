@@ -1,0 +1,228 @@
+"""Batches per second of ``CachedDataset.loader`` beside the loaders a user can pick today (issue 16).
+
+    python -m bench.loader [--reps 5] [--n-big 2000] [--n-small 20000]
+
+One run, one process (DataLoader workers aside), warm page cache: each system's files are
+re-read right before each of its epochs. Batch 64, shuffled; every epoch is checked to
+yield each index exactly once. After one untimed epoch per system, the systems are timed
+interleaved, one epoch each per repetition; figures are medians over ``--reps``
+repetitions (min-max beside), ratios taken in this run. The peers read the same bytes from one ``.npy`` memmap. Rows:
+
+- DataLoader over the memmap, 2 workers (today's recipe, the 1.00x row) and 0 workers
+- a whole-batch gather from the memmap on a 2-thread pool (what torchdata.nodes'
+  ParallelMapper(method="thread") over batches does, written with concurrent.futures;
+  torchdata and SPDL themselves are not installed here)
+- DataLoader(2 workers) over the CachedDataset, default_collate
+- ``ds.loader`` at 1 and 2 copy threads
+- memcpy limit: ``np.take`` of memmap rows into a reused buffer, 1 and 2 threads
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lmdbcache import CachedDataset
+
+
+class Rows(Dataset):
+    """``(uint8 tensor, index)`` from the rows of one .npy, memory-mapped lazily (also the cache's source)."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.mm = path, None
+        self.n = int(np.load(path, mmap_mode="r").shape[0])
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        if self.mm is None:
+            self.mm = np.load(self.path, mmap_mode="r")
+        return torch.from_numpy(np.array(self.mm[i])), int(i)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "mm": None}
+
+
+def order(n: int, epoch: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(epoch)
+    perm = torch.randperm(n, generator=g).tolist()
+    return [perm[k : k + BATCH] for k in range(0, n, BATCH)]
+
+
+BATCH = 64
+
+
+def read_through(*paths: Path) -> None:
+    """Pull every file into the page cache (the machine reclaims idle cache between rows)."""
+    for path in paths:
+        for name in [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file()):
+            with open(name, "rb", buffering=0) as f:
+                while f.read(16 << 20):
+                    pass
+
+
+# ---------------------------------------------------------------------- systems: epoch -> iterator of label tensors
+
+
+def dataloader(ds: Dataset, workers: int) -> Callable[[int], Iterator[torch.Tensor]]:
+    def run(epoch: int) -> Iterator[torch.Tensor]:
+        g = torch.Generator().manual_seed(epoch)
+        for batch in DataLoader(ds, BATCH, shuffle=True, generator=g, num_workers=workers):
+            yield batch[1]
+
+    return run
+
+
+def memmap_gather_pool(npy: str, threads: int) -> Callable[[int], Iterator[torch.Tensor]]:
+    """Whole batches gathered from the memmap (new tensors each), ``threads`` batches in flight."""
+    mm = np.load(npy, mmap_mode="r")
+
+    def gather(indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.from_numpy(np.take(mm, indices, axis=0)), torch.tensor(indices)
+
+    def run(epoch: int) -> Iterator[torch.Tensor]:
+        with ThreadPoolExecutor(threads) as pool:
+            batches = order(len(mm), epoch)
+            pending = [pool.submit(gather, b) for b in batches[:threads]]
+            for k in range(len(batches)):
+                batch = pending.pop(0).result()
+                if k + threads < len(batches):
+                    pending.append(pool.submit(gather, batches[k + threads]))
+                yield batch[1]
+
+    return run
+
+
+def memcpy(npy: str, threads: int) -> Callable[[int], Iterator[torch.Tensor]]:
+    """The limit: np.take of the batch's rows into one reused buffer, the batch split over ``threads``."""
+    mm = np.load(npy, mmap_mode="r")
+    buf = np.empty((BATCH, *mm.shape[1:]), mm.dtype)
+
+    def part(indices: list[int], lo: int) -> None:
+        np.take(mm, indices, axis=0, out=buf[lo : lo + len(indices)])
+
+    def run(epoch: int) -> Iterator[torch.Tensor]:
+        with ThreadPoolExecutor(threads) as pool:
+            for indices in order(len(mm), epoch):
+                step = -(-len(indices) // threads)
+                if threads == 1:
+                    part(indices, 0)
+                else:
+                    for f in [pool.submit(part, indices[lo : lo + step], lo) for lo in range(0, len(indices), step)]:
+                        f.result()
+                yield torch.tensor(indices)
+
+    return run
+
+
+def cache_loader(ds: CachedDataset, threads: int) -> Callable[[int], Iterator[torch.Tensor]]:
+    loader = ds.loader(BATCH, shuffle=True, num_threads=threads)
+
+    def run(epoch: int) -> Iterator[torch.Tensor]:
+        loader.set_epoch(epoch)
+        for batch in loader:
+            yield batch[1]
+
+    return run
+
+
+# ---------------------------------------------------------------------- the run
+
+
+def time_epoch(run: Callable[[int], Iterator[torch.Tensor]], n: int, epoch: int, files: list[Path]) -> float:
+    """Samples/s of one epoch, its files re-read first; raises unless each index came exactly once."""
+    read_through(*files)
+    start = time.perf_counter()
+    labels = list(run(epoch))
+    elapsed = time.perf_counter() - start
+    seen = torch.cat(labels)
+    if seen.numel() != n or not torch.equal(seen.sort().values, torch.arange(n)):
+        raise AssertionError("an epoch did not yield each index exactly once")
+    return n / elapsed
+
+
+def workload(name: str, n: int, shape: tuple[int, ...], reps: int, root: Path) -> list[tuple[str, list[float]]]:
+    npy = root / f"{name}.npy"
+    out = np.lib.format.open_memmap(npy, mode="w+", dtype=np.uint8, shape=(n, *shape))
+    rng = np.random.default_rng(0)
+    for k in range(0, n, 1024):
+        out[k : k + 1024] = rng.integers(0, 256, size=(min(1024, n - k), *shape), dtype=np.uint8)
+    out.flush()
+    del out
+    cache = root / f"{name}.lmdb"
+    ds = CachedDataset(Rows(str(npy)), cache, map_size=1 << 30)
+    for k in range(0, n, 512):
+        ds.__getitems__(list(range(k, min(n, k + 512))))
+    ds.flush()
+    assert ds.is_complete
+    systems = [
+        ("DataLoader over the memmap, 2 workers", dataloader(Rows(str(npy)), 2), [npy]),
+        ("DataLoader over the memmap, 0 workers", dataloader(Rows(str(npy)), 0), [npy]),
+        ("whole-batch gather from the memmap, 2-thread pool", memmap_gather_pool(str(npy), 2), [npy]),
+        ("lmdbcache DataLoader, 2 workers", dataloader(ds, 2), [cache]),
+        ("ds.loader, 1 thread", cache_loader(ds, 1), [cache]),
+        ("ds.loader, 2 threads", cache_loader(ds, 2), [cache]),
+        ("memcpy limit: np.take into a reused buffer, 1 thread", memcpy(str(npy), 1), [npy]),
+        ("memcpy limit: np.take into a reused buffer, 2 threads", memcpy(str(npy), 2), [npy]),
+    ]
+    for _, run, files in systems:  # one untimed epoch each: DataLoader imports, this process's first checks
+        time_epoch(run, n, 0, files)
+    rates: list[list[float]] = [[] for _ in systems]
+    for epoch in range(1, reps + 1):  # systems interleaved in every repetition: noise falls on all rows alike
+        for k, (_, run, files) in enumerate(systems):
+            rates[k].append(time_epoch(run, n, epoch, files))
+        print(f"  {name} repetition {epoch}: " + ", ".join(f"{r[-1]:,.0f}" for r in rates), flush=True)
+    ds.close()
+    return [(label, r) for (label, _, _), r in zip(systems, rates)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--reps", type=int, default=5, help="timed epochs per row (median taken), >= 3")
+    parser.add_argument("--n-big", type=int, default=2000)
+    parser.add_argument("--n-small", type=int, default=20000)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="lmdbcache-bench-loader-") as tmp:
+        big = workload("3x224x224", args.n_big, (3, 224, 224), args.reps, Path(tmp))
+        small = workload("3x32x32", args.n_small, (3, 32, 32), args.reps, Path(tmp))
+    print(f"\nsamples/s, batch {BATCH}, shuffled, median of {args.reps} epochs (min-max); ratio vs row 1")
+    print(f"| path | 3x224x224 uint8 ({args.n_big:,}) | 3x32x32 uint8 ({args.n_small:,}) |")
+    print("|---|---|---|")
+    for (label, a), (_, b) in zip(big, small):
+        cells = []
+        for rates, base in ((a, big[0][1]), (b, small[0][1])):
+            med = statistics.median(rates)
+            cells.append(
+                f"{med / 1e3:,.1f}k ({min(rates) / 1e3:,.1f}-{max(rates) / 1e3:,.1f}) "
+                f"{med / statistics.median(base):.2f}x"
+            )
+        print(f"| {label} | {cells[0]} | {cells[1]} |")
+    for name, rows, peer_factor, limit_row, limit_factor in (
+        ("3x224x224", big, 1.5, 7, 0.8),
+        ("3x32x32", small, 1.2, 6, 0.6),
+    ):
+        med = {label: statistics.median(r) for label, r in rows}
+        ours = max(med[rows[4][0]], med[rows[5][0]])
+        peer = max(med[rows[1][0]], med[rows[2][0]])
+        limit = med[rows[limit_row][0]]
+        print(
+            f"{name}: ds.loader best {ours:,.0f}/s = {ours / peer:.2f}x the best in-process peer "
+            f"(target {peer_factor}x), {ours / limit:.2f}x '{rows[limit_row][0]}' (target {limit_factor}x)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

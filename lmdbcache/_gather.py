@@ -1,0 +1,178 @@
+"""Copy flat values (the codec's flat form) straight from the map into preallocated batch tensors.
+
+One copy per sample and field, no per-sample tensor: each value's bytes go from its view
+into the map (``ReadPath.read_batch``) into row ``j`` of the batch tensor of each field,
+and its scalars into one staging row that becomes one int64 / float64 / bool tensor per
+field, as ``default_collate`` builds them. The codec's trust rules hold here as in
+``codec.decode``: a value's structure checksum (seed = the index) is verified before any
+of its bytes are used, its lengths are checked against its signature's plan, and its data
+checksum is verified over the copy when the store asks for it; whatever fails raises
+``CorruptSampleError`` carrying the index, which the store words as ``get`` does. A value
+in another form (msgpack, format 1, another signature) makes the batch fall back to
+``CachedDataset.__getitems__``: it is never parsed here.
+
+The codec internals used here (and only here): ``_MAGIC``, ``_head``, ``_PLANS``, ``_plan``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from .codec import _MAGIC, _PLANS, _head, _plan
+from .errors import CorruptSampleError
+
+__all__ = ["Buffers", "Layout", "layout_of"]
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_memmove = ctypes.memmove  # a ctypes call releases the GIL: large copies run in parallel
+_BIG = 64 << 10  # bytes from which a copy goes through memmove (below, a memoryview copy is cheaper)
+_FLAT = 0xC1
+_use_count = torch._C._storage_Use_Count
+_SCALAR_DTYPES: dict[str, np.dtype[Any]] = {"q": np.dtype("<i8"), "d": np.dtype("<f8"), "?": np.dtype("u1")}
+
+
+def _corrupt(index: int, reason: str) -> CorruptSampleError:
+    exc = CorruptSampleError(reason)
+    exc.index = index  # type: ignore[attr-defined]  # read by ReadPath.read_batch
+    return exc
+
+
+class Layout:
+    """The batch form of one flat signature: where each field lies in a value, and its batch dtype and shape."""
+
+    def __init__(self, key: bytes) -> None:
+        unpack, self.scalars_at, self.struct_size, self.value_size, tensors, order, _ = _PLANS.get(key) or _plan(key)
+        self.key = key
+        codes = unpack.__self__.format[1:]  # the plan's struct.Struct("<" + codes)
+        self.scalar_size = struct.calcsize("<" + codes)
+        pos = 24 + self.struct_size
+        self.tensors: list[tuple[int, int, np.dtype, tuple[int, ...], torch.dtype | None]] = []
+        for nbytes, carrier, shape, view in tensors:
+            self.tensors.append((pos, nbytes, carrier, shape, view))
+            pos += nbytes
+        offsets, at = [], 0
+        for code in codes:
+            offsets.append((at, code))
+            at += struct.calcsize("<" + code)
+        self.scalars = offsets
+        self.sample_bytes = sum(spec[1] for spec in self.tensors) + self.scalar_size
+        if order is None:
+            order = tuple(range(len(tensors))) + tuple(~k for k in range(len(codes)))
+        self.order: tuple[int, ...] = tuple(order)
+
+    def allocate(self, rows: int) -> Buffers:
+        return Buffers(self, rows)
+
+
+class Buffers:
+    """One ring slot: a batch tensor per tensor field and a staging array for the scalars."""
+
+    def __init__(self, layout: Layout, rows: int) -> None:
+        self.layout, self.rows = layout, rows
+        self.tensors = [
+            torch.from_numpy(np.empty((rows, *shape), carrier)) for _, _, carrier, shape, _ in layout.tensors
+        ]
+        self.flat = [memoryview(t.numpy()).cast("B") for t in self.tensors]  # type: ignore[arg-type]
+        self.addresses = [t.data_ptr() for t in self.tensors]
+        self.scalars = np.zeros((rows, layout.scalar_size), np.uint8)
+        self.scalar_view = memoryview(self.scalars).cast("B")  # type: ignore[arg-type]
+        self.busy = False
+        self._base = [self._uses(t) for t in self.tensors]
+
+    @staticmethod
+    def _uses(t: torch.Tensor) -> int:
+        return int(_use_count(t.untyped_storage()._cdata))
+
+    def free(self) -> bool:
+        """True when no tensor handed out from this slot (or a view of one) is alive anywhere."""
+        return not self.busy and all(self._uses(t) == base for t, base in zip(self.tensors, self._base))
+
+    def fill(self, views: list[Any], checks: list[bool], indices: list[int], lo: int, hi: int) -> bool:
+        """Copy values ``lo:hi`` into rows ``lo:hi``; False if one is not in this layout (nothing is wrong yet)."""
+        layout = self.layout
+        key, klen, value_size, struct_size = layout.key, len(layout.key), layout.value_size, layout.struct_size
+        at, ssize = layout.scalars_at, layout.scalar_size
+        fields = list(zip(layout.tensors, self.flat, self.addresses))
+        scalar_view = self.scalar_view
+        for j in range(lo, hi):
+            mv, index = views[j], indices[j]
+            try:
+                magic, size, structure_hash, data_hash, first, sig = _head(mv)
+            except struct.error:
+                return False
+            if magic != _MAGIC or first != _FLAT or sig + 2 != klen or mv[25 : 25 + klen] != key:
+                return False
+            end = 24 + size
+            if _xxh3(mv[24:end], index) != structure_hash:
+                raise _corrupt(
+                    index,
+                    "the structure checksum does not match: the value is damaged or was stored under another index",
+                )
+            if size != struct_size or len(mv) != value_size:
+                raise _corrupt(index, "the flat structure's lengths do not add up to the value's")
+            check, digest = checks[j], index
+            for (pos, nbytes, _, _, _), flat, address in fields:
+                row = j * nbytes
+                if nbytes >= _BIG:
+                    _memmove(address + row, np.frombuffer(mv, np.uint8, nbytes, pos).ctypes.data, nbytes)
+                else:
+                    flat[row : row + nbytes] = mv[pos : pos + nbytes]
+                if check:
+                    digest = _xxh3(flat[row : row + nbytes], digest)
+            if check and digest != data_hash:
+                raise _corrupt(index, "the data checksum does not match")
+            if ssize:
+                scalar_view[j * ssize : (j + 1) * ssize] = mv[at : at + ssize]
+        return True
+
+    def batch(self, rows: int) -> list[torch.Tensor]:
+        """The batch as ``default_collate`` returns a tuple sample: a list, one tensor per item in order.
+
+        Tensor fields are new views of this slot's tensors (each alive view counts against
+        ``free``); scalar fields are new tensors.
+        """
+        layout = self.layout
+        tensors = []
+        for t, (_, _, _, _, view) in zip(self.tensors, layout.tensors):
+            part = t if rows == self.rows else t[:rows]
+            tensors.append(part.view(view) if view is not None else part.view(part.shape))
+        scalars = []
+        for offset, code in layout.scalars:
+            column = np.ndarray((rows,), _SCALAR_DTYPES[code], self.scalars, offset, (layout.scalar_size,))
+            if code == "?":
+                scalars.append(torch.from_numpy(column != 0))
+            else:
+                scalars.append(torch.from_numpy(column.astype(column.dtype.newbyteorder("="))))
+        return [tensors[k] if k >= 0 else scalars[~k] for k in layout.order]
+
+
+def layout_of(mv: Any, index: int, layouts: dict[bytes, Layout]) -> Layout | None:
+    """The layout of the flat value ``mv`` (its structure verified first), or None if it is not flat."""
+    try:
+        magic, size, structure_hash, _, first, sig = _head(mv)
+    except struct.error:
+        return None
+    if magic != _MAGIC or first != _FLAT:
+        return None
+    key = bytes(mv[25 : 27 + sig])
+    layout = layouts.get(key)
+    if layout is not None:
+        return layout
+    if _xxh3(mv[24 : 24 + size], index) != structure_hash:
+        raise _corrupt(
+            index, "the structure checksum does not match: the value is damaged or was stored under another index"
+        )
+    try:
+        layout = Layout(key)
+    except CorruptSampleError as exc:
+        raise _corrupt(index, str(exc)) from None
+    if len(layouts) >= 64:
+        layouts.clear()
+    layouts[key] = layout
+    return layout

@@ -1,0 +1,379 @@
+"""``Loader``: batches of a ``CachedDataset`` copied straight out of the map, on threads, in DataLoader's order.
+
+Threads. One planner thread turns the epoch's order into batches of indices, looks each
+batch up in one read transaction under the store's lock (``ReadPath.read_batch``) and hands
+whole slices of the batch to a pool of ``num_threads`` copy threads; each copies its values
+straight into the batch tensors (``_gather``: large copies release the GIL). A batch under
+1 MiB is copied by the planner itself (``_INLINE``: its copies are GIL-bound anyway). Up to
+``prefetch`` finished batches wait in a queue. The threads live for one pass: a pass that
+ends (exhausted, ``break``, an exception, KeyboardInterrupt, ``close()``) joins them.
+
+Buffers. Batch tensors come from a ring of ``prefetch + 3`` slots per sample layout: the
+``prefetch`` queued batches, the one being filled, the one the consumer's loop variable
+still holds while it asks for the next, and the one being handed over. A slot
+is reused only when the storage use count of its tensors is back where it was when it was
+allocated: no tensor handed out from it, nor any view, numpy array or storage of one, is
+alive. A batch a user keeps therefore never changes under them (a fresh slot is allocated
+instead).
+
+Fallback. A batch with a miss (cache incomplete), a value not in the codec's flat form
+(dicts, lists, PIL images, ...) or samples of different signatures (variable shapes) is read
+through ``CachedDataset.__getitems__`` on the copy threads and collated with
+``default_collate``: the same batch as the DataLoader's, misses filled into the cache. A
+dataset with a per-sample ``transform`` always takes this path (the transform runs on the
+copy threads, under the GIL unless it releases it); the exception of a failing transform is
+re-raised in the consumer with a note naming the index.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import DistributedSampler
+from torch.utils.data._utils.collate import default_collate
+
+from ._gather import Buffers, Layout, layout_of
+from .errors import InvalidOptionError
+from .store import MISSING
+
+if TYPE_CHECKING:
+    from .dataset import CachedDataset
+
+__all__ = ["Loader"]
+
+# A batch smaller than this is copied by the planner thread itself: its per-sample work holds
+# the GIL anyway, and the hand-off to the pool cost more than it saved (3x32x32, batch 64:
+# 331k -> 365k samples/s on one thread, 259k -> 415k on two; bench/loader.py).
+_INLINE = 1 << 20
+
+
+def _world(rank: int | None, world_size: int | None) -> tuple[int, int] | None:
+    """(rank, world size) from the arguments, torch.distributed or the torchrun env; None when not distributed."""
+    if (rank is None) != (world_size is None):
+        raise InvalidOptionError("Pass both rank and world_size, or neither (they are then found automatically).")
+    if rank is None or world_size is None:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+        elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        else:
+            return None
+    if not (type(world_size) is int and world_size >= 1 and type(rank) is int and 0 <= rank < world_size):
+        raise InvalidOptionError(f"rank must be in [0, world_size) and world_size >= 1, not {rank!r}, {world_size!r}.")
+    return rank, world_size
+
+
+class _Ring:
+    """Batch buffers reused only when no handed-out tensor of theirs is alive (see the module docstring)."""
+
+    def __init__(self, slots: int, rows: int) -> None:
+        self.slots, self.rows = slots, rows
+        self.buffers: list[Buffers] = []
+        self.lock = threading.Lock()
+
+    def acquire(self, layout: Layout) -> Buffers:
+        with self.lock:
+            kept = [b for b in self.buffers if b.layout is layout]
+            if len(kept) != len(self.buffers):
+                self.buffers = kept  # another layout: the old slots go when their batches do
+            for buffers in kept:
+                if buffers.free():
+                    buffers.busy = True
+                    return buffers
+            buffers = layout.allocate(self.rows)
+            buffers.busy = True
+            if len(kept) < self.slots:
+                self.buffers.append(buffers)
+            return buffers
+
+
+class Loader:
+    """Batches of ``dataset`` equal to ``DataLoader(dataset, batch_size, shuffle=shuffle, drop_last=drop_last,
+    generator=torch.Generator().manual_seed(seed + epoch), collate_fn=default_collate)``.
+
+    In distributed mode (``rank`` and ``world_size`` given, else taken from an initialized
+    torch.distributed, else from the torchrun env ``RANK`` / ``WORLD_SIZE``) each rank gets
+    the indices of ``DistributedSampler(dataset, world_size, rank, shuffle=shuffle, seed=seed)``
+    after ``set_epoch(epoch)``. The order is a pure function of (seed, epoch, rank, world size).
+
+    Epochs and position. The loader keeps a position (epoch, batches delivered). Each pass
+    (``for batch in loader``) continues from it: a complete pass moves to the next epoch, so
+    iterating without ``set_epoch`` advances the epoch every pass; a pass ended early
+    (``break``) leaves the position after the last batch the consumer received, and the next
+    pass continues there. ``set_epoch(e)`` moves to the start of epoch ``e``.
+    ``state_dict()`` is that position; ``load_state_dict()`` restores it without reading the
+    batches before it. A batch counts as delivered when the consumer receives it, not when it
+    is prefetched.
+
+    ``batch_transform`` runs on the planner thread on every whole batch. See the module
+    docstring for threads, buffer reuse and the fallback path (misses, non-flat samples,
+    per-sample ``transform``).
+    """
+
+    def __init__(
+        self,
+        dataset: CachedDataset,
+        batch_size: int,
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+        num_threads: int = 2,
+        prefetch: int = 2,
+        rank: int | None = None,
+        world_size: int | None = None,
+        batch_transform: Callable[[Any], Any] | None = None,
+    ) -> None:
+        for name, value, low in (
+            ("batch_size", batch_size, 1),
+            ("num_threads", num_threads, 1),
+            ("prefetch", prefetch, 1),
+        ):
+            if type(value) is not int or value < low:
+                raise InvalidOptionError(f"{name} must be an int >= {low}, not {value!r}.")
+        if type(seed) is not int:
+            raise InvalidOptionError(f"seed must be an int, not {seed!r}.")
+        self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, bool(shuffle), seed
+        self.drop_last, self.num_threads, self.prefetch = bool(drop_last), num_threads, prefetch
+        self.batch_transform = batch_transform
+        self.world = _world(rank, world_size)
+        self.epoch, self.delivered = 0, 0
+        self._ring = _Ring(prefetch + 3, batch_size)  # see the module docstring
+        self._layouts: dict[bytes, Layout] = {}
+        self._pass: _Pass | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ order and position
+
+    def order(self, epoch: int) -> list[int]:
+        """This rank's indices for ``epoch``, in order."""
+        n = len(self.dataset)
+        if self.world is not None:
+            rank, world_size = self.world
+            sampler: DistributedSampler[int] = DistributedSampler(
+                range(n),  # type: ignore[arg-type]  # it needs a length only
+                num_replicas=world_size,
+                rank=rank,
+                shuffle=self.shuffle,
+                seed=self.seed,
+            )
+            sampler.set_epoch(epoch)
+            return list(sampler)
+        if not self.shuffle:
+            return list(range(n))
+        g = torch.Generator().manual_seed(self.seed + epoch)
+        torch.empty((), dtype=torch.int64).random_(generator=g)  # the DataLoader iterator's base seed comes first
+        return list(torch.randperm(n, generator=g).tolist())
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        """This rank's batches of indices for ``epoch``."""
+        order, size = self.order(epoch), self.batch_size
+        stop = len(order) - len(order) % size if self.drop_last else len(order)
+        return [order[k : k + size] for k in range(0, stop, size)]
+
+    def __len__(self) -> int:
+        n = len(self.order(0)) if self.world is not None else len(self.dataset)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next pass at the first batch of ``epoch``."""
+        if type(epoch) is not int or epoch < 0:
+            raise InvalidOptionError(f"epoch must be an int >= 0, not {epoch!r}.")
+        self.epoch, self.delivered = epoch, 0
+
+    def state_dict(self) -> dict[str, int]:
+        """{seed, epoch, batches}: the batches of ``epoch`` the consumer has received."""
+        return {"seed": self.seed, "epoch": self.epoch, "batches": self.delivered}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue at the batch after ``state``'s (the next epoch's first if it was the last); nothing is read."""
+        try:
+            seed, epoch, delivered = state["seed"], state["epoch"], state["batches"]
+        except (KeyError, TypeError):
+            raise InvalidOptionError(f"A Loader state is a dict with seed, epoch and batches, not {state!r}.") from None
+        if not all(type(v) is int for v in (seed, epoch, delivered)) or epoch < 0 or delivered < 0:
+            raise InvalidOptionError(f"A Loader state holds ints (epoch, batches >= 0), not {state!r}.")
+        self.seed, self.epoch, self.delivered = seed, epoch, delivered
+        if delivered >= len(self):
+            self.epoch, self.delivered = epoch + 1, 0
+
+    # ------------------------------------------------------------------ passes
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._closed:
+            raise InvalidOptionError("This Loader is closed.")
+        if self._pass is not None:
+            self._pass.stop()  # one pass at a time: a new iter replaces an abandoned one
+        epoch = self.epoch
+        batches = self.batches(epoch)
+        if self.delivered >= len(batches) > 0:
+            epoch, self.epoch, self.delivered = epoch + 1, epoch + 1, 0
+            batches = self.batches(epoch)
+        return self._run(epoch, batches, self.delivered)
+
+    def _run(self, epoch: int, batches: list[list[int]], start: int) -> Iterator[Any]:
+        run = _Pass(self, epoch, batches, start)
+        self._pass = run
+        try:
+            for k in range(start, len(batches)):
+                item = run.get()
+                if isinstance(item, BaseException):
+                    raise item
+                self.delivered = k + 1
+                yield item
+                del item
+            self.epoch, self.delivered = epoch + 1, 0
+        finally:
+            run.stop()
+            if self._pass is run:
+                self._pass = None
+
+    def close(self) -> None:
+        """Stop the running pass and its threads. Idempotent."""
+        self._closed = True
+        run, self._pass = self._pass, None
+        if run is not None:
+            run.stop()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Loader({self.dataset!r}, batch_size={self.batch_size}, epoch={self.epoch}, batches={self.delivered})"
+
+
+class _Pass:
+    """One pass: the planner thread, the copy pool and the queue of finished batches."""
+
+    def __init__(self, loader: Loader, epoch: int, batches: list[list[int]], start: int) -> None:
+        self.loader, self.epoch, self.batches, self.start = loader, epoch, batches, start
+        self.ds = loader.dataset
+        self.out: queue.Queue[Any] = queue.Queue(maxsize=loader.prefetch)
+        self.stopping = threading.Event()
+        self.pool = ThreadPoolExecutor(loader.num_threads, thread_name_prefix="lmdbcache-copy")
+        self.planner = threading.Thread(target=self._plan, name="lmdbcache-planner", daemon=True)
+        self.planner.start()
+
+    def get(self) -> Any:
+        while True:
+            try:
+                return self.out.get(timeout=0.1)
+            except queue.Empty:
+                if not self.planner.is_alive() and self.out.empty():
+                    return RuntimeError("lmdbcache.Loader: the planner thread ended without a batch")
+
+    def stop(self) -> None:
+        self.stopping.set()
+        while self.planner.is_alive():
+            try:
+                while True:
+                    self.out.get_nowait()  # unblock a planner waiting to put
+            except queue.Empty:
+                pass
+            self.planner.join(0.05)
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def _put(self, item: Any) -> bool:
+        while not self.stopping.is_set():
+            try:
+                self.out.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _plan(self) -> None:
+        for k in range(self.start, len(self.batches)):
+            if self.stopping.is_set():
+                return
+            indices = self.batches[k]
+            try:
+                batch = self._gather(indices)
+                if batch is None:
+                    batch = self._fallback(indices)
+                transform = self.loader.batch_transform
+                if transform is not None:
+                    batch = transform(batch)
+            except BaseException as exc:  # re-raised in the consumer
+                _note(exc, f"lmdbcache.Loader: raised loading batch {k} of epoch {self.epoch} (indices {indices})")
+                self._put(exc)
+                return
+            if not self._put(batch):
+                return
+            del batch
+
+    def _gather(self, indices: list[int]) -> Any:
+        """The batch copied from the map, or None when it must take the fallback path."""
+        ds = self.ds
+        if ds.transform is not None:
+            return None
+        store = ds._live_store()
+        loader = self.loader
+        taken: list[Buffers] = []
+
+        def copy(views: list[Any], checks: list[bool]) -> Any:
+            layout = layout_of(views[0], indices[0], loader._layouts)
+            if layout is None:
+                return None
+            buffers = loader._ring.acquire(layout)
+            taken.append(buffers)
+            n, parts = len(views), min(loader.num_threads, len(views))
+            if layout.sample_bytes * n < _INLINE:
+                return buffers.batch(n) if buffers.fill(views, checks, indices, 0, n) else None
+            bounds = [n * p // parts for p in range(parts + 1)]
+            futures: list[Future[bool]] = [
+                self.pool.submit(buffers.fill, views, checks, indices, lo, hi) for lo, hi in itertools.pairwise(bounds)
+            ]
+            wait(futures)  # every copy ends before the lock is released, even when one of them fails
+            if not all([f.result() for f in futures]):
+                return None
+            return buffers.batch(n)
+
+        try:
+            batch = store.read_batch(indices, ds._always, ds._build, copy)
+        finally:
+            for buffers in taken:
+                buffers.busy = False  # from now on only the use count of its tensors holds it
+        return None if batch is MISSING else batch
+
+    def _fallback(self, indices: list[int]) -> Any:
+        """Through ``CachedDataset.__getitems__`` (or per index with a transform) on the copy threads."""
+        ds, parts = self.ds, min(self.loader.num_threads, len(indices))
+        bounds = [len(indices) * p // parts for p in range(parts + 1)]
+        read = _one_by_one if ds.transform is not None else _together
+        futures = [self.pool.submit(read, ds, indices[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
+        samples: list[Any] = []
+        for f in futures:
+            samples += f.result()
+        return default_collate(samples)  # type: ignore[no-untyped-call]
+
+
+def _together(ds: CachedDataset, indices: list[int]) -> list[Any]:
+    return ds.__getitems__(indices)
+
+
+def _one_by_one(ds: CachedDataset, indices: list[int]) -> list[Any]:
+    out = []
+    for index in indices:
+        try:
+            out.append(ds[index])
+        except Exception as exc:
+            _note(exc, f"lmdbcache.Loader: raised by the dataset (or its transform) at index {index}")
+            raise
+    return out
+
+
+def _note(exc: BaseException, text: str) -> None:
+    if hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note(text)

@@ -1,0 +1,383 @@
+"""lmdbcache.Loader: DataLoader's batches and order, resume, buffer reuse, trust checks, clean shutdown."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from helpers import Listed, Synthetic, key, raw_cache, sample_for
+from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data._utils.collate import default_collate
+
+import lmdbcache.loader as loader_module
+from lmdbcache import CachedDataset, CorruptSampleError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def same(a, b, where="batch"):
+    """Equal structure, types, dtypes, shapes and values."""
+    assert type(a) is type(b), f"{where}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f"{where}: {a} != {b}"
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for k, (x, y) in enumerate(zip(a, b)):
+            same(x, y, f"{where}[{k}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def reference(ds, batch_size, seed=0, epoch=0, **kwargs):
+    g = torch.Generator().manual_seed(seed + epoch)
+    return list(DataLoader(ds, batch_size, generator=g, collate_fn=default_collate, **kwargs))
+
+
+def warm(ds):
+    """Every index decoded into the cache and committed."""
+    ds.__getitems__(list(range(len(ds))))
+    ds.flush()
+    return ds
+
+
+def flat_mixed(i):
+    g = torch.Generator().manual_seed(i)
+    return (torch.rand(2, 3, generator=g), i * 3 - 50, i / 7, i % 3 == 0, torch.tensor([i, -i], dtype=torch.int16))
+
+
+KINDS = {
+    "flat image+label": lambda: Synthetic(50),
+    "flat floats, bools, int16": lambda: Listed([flat_mixed(i) for i in range(50)]),
+    "scalars first": lambda: Listed([(i, torch.full((4,), i, dtype=torch.float64)) for i in range(50)]),
+    "dicts": lambda: Listed([{"x": torch.full((3,), i), "y": i, "name": f"s{i}"} for i in range(50)]),
+    "nested": lambda: Listed([((torch.tensor([i]), [i, i + 1]), {"w": float(i)}) for i in range(50)]),
+    "mixed shapes, strings": lambda: Listed([(torch.zeros(2, 3), torch.ones(5) * i, f"n{i}", b"b") for i in range(50)]),
+    "bfloat16": lambda: Listed([(torch.full((2, 2), i, dtype=torch.bfloat16), i) for i in range(50)]),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize(("shuffle", "drop_last"), [(False, False), (True, False), (True, True)])
+def test_batches_equal_dataloader(cache_dir, kind, shuffle, drop_last, copies):
+    """Every batch equals DataLoader+default_collate's with the same generator seed (partial last batch, drop_last)."""
+    ds = warm(CachedDataset(KINDS[kind](), cache_dir))
+    with ds.loader(16, shuffle=shuffle, drop_last=drop_last, seed=5) as loader:
+        got = list(loader)
+    want = reference(ds, 16, seed=5, shuffle=shuffle, drop_last=drop_last)
+    assert len(got) == len(want) == (3 if drop_last else 4)
+    same(got, want)
+
+
+@pytest.fixture(params=["inline", "pool"])
+def copies(request, monkeypatch):
+    """Small batches are copied by the planner thread; 'pool' forces them onto the copy threads."""
+    if request.param == "pool":
+        monkeypatch.setattr(loader_module, "_INLINE", 0)
+    return request.param
+
+
+def test_flat_batches_take_the_copy_path(cache_dir, monkeypatch, copies):
+    """A warm cache of flat samples is read by copying out of the map, never through __getitems__."""
+    ds = warm(CachedDataset(Listed([flat_mixed(i) for i in range(40)]), cache_dir))
+
+    def refuse(ds, indices):
+        raise AssertionError("fallback used")
+
+    monkeypatch.setattr(loader_module, "_together", refuse)
+    monkeypatch.setattr(loader_module, "_one_by_one", refuse)
+    for threads in (1, 2, 3):
+        same(list(ds.loader(8, shuffle=True, num_threads=threads)), reference(ds, 8, shuffle=True))
+
+
+def test_variable_shapes_fail_as_default_collate_does_and_layouts_may_change(cache_dir):
+    """Shapes that differ inside a batch raise default_collate's error; layouts changing between batches are fine."""
+    ds = warm(CachedDataset(Listed([(torch.zeros(i // 8 + 1), i) for i in range(32)]), cache_dir))
+    same(list(ds.loader(8, prefetch=1)), reference(ds, 8))
+    with pytest.raises(RuntimeError) as ours:
+        list(ds.loader(8, shuffle=True))
+    with pytest.raises(RuntimeError) as theirs:
+        reference(ds, 8, shuffle=True)
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_epochs_advance_per_pass_and_set_epoch_sets_it(cache_dir):
+    """Pass k without set_epoch is epoch k (seed + k); set_epoch(e) gives epoch e's order."""
+    ds = warm(CachedDataset(Synthetic(40), cache_dir))
+    loader = ds.loader(8, shuffle=True, seed=11)
+    for epoch in range(3):
+        same(list(loader), reference(ds, 8, seed=11, epoch=epoch, shuffle=True))
+    loader.set_epoch(1)
+    same(list(loader), reference(ds, 8, seed=11, epoch=1, shuffle=True))
+    loader.close()
+
+
+@pytest.mark.parametrize("n", [60, 61])
+def test_distributed_split_covers_every_index_once(cache_dir, n):
+    """Ranks get DistributedSampler's indices; together they cover every index, each once (plus its padding)."""
+    ds = warm(CachedDataset(Synthetic(n), cache_dir))
+    seen = []
+    for rank in range(3):
+        loader = ds.loader(7, shuffle=True, seed=2, rank=rank, world_size=3)
+        loader.set_epoch(4)
+        labels = torch.cat([batch[1] for batch in loader]).tolist()
+        sampler = DistributedSampler(range(n), num_replicas=3, rank=rank, shuffle=True, seed=2)  # type: ignore[arg-type]
+        sampler.set_epoch(4)
+        assert labels == list(sampler)
+        seen += labels
+    pad = -n % 3
+    assert sorted(set(seen)) == list(range(n)) and len(seen) == n + pad
+
+
+def test_distributed_from_torchrun_env(cache_dir, monkeypatch):
+    """Without rank/world_size, RANK and WORLD_SIZE from torchrun select this rank's share."""
+    ds = warm(CachedDataset(Synthetic(20), cache_dir))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    labels = torch.cat([b[1] for b in ds.loader(4)]).tolist()
+    assert labels == list(range(1, 20, 2))
+
+
+def read_indices(monkeypatch):
+    """Record the index lists the loader reads."""
+    reads = []
+    gather = loader_module._Pass._gather
+
+    def recording(self, indices):
+        reads.append(list(indices))
+        return gather(self, indices)
+
+    monkeypatch.setattr(loader_module._Pass, "_gather", recording)
+    return reads
+
+
+def test_resume_mid_epoch_gives_exactly_the_remaining_batches(cache_dir, monkeypatch):
+    """A loader restored from state_dict yields the remaining batches, without reading the skipped ones."""
+    ds = warm(CachedDataset(Synthetic(50), cache_dir))
+    want = reference(ds, 8, seed=1, shuffle=True)
+    first = ds.loader(8, shuffle=True, seed=1, prefetch=3)
+    for k, _ in enumerate(first):
+        if k == 2:
+            break
+    state = first.state_dict()
+    first.close()
+    assert state == {"seed": 1, "epoch": 0, "batches": 3}  # received, not prefetched
+    reads = read_indices(monkeypatch)
+    second = ds.loader(8, shuffle=True, seed=0)
+    second.load_state_dict(state)
+    same(list(second), want[3:])
+    assert reads == [b[1].tolist() for b in want[3:]]
+    assert second.state_dict() == {"seed": 1, "epoch": 1, "batches": 0}
+
+
+def test_two_resumes_in_a_row_and_at_the_end_of_an_epoch(cache_dir):
+    """Resumed twice, then from the last batch of an epoch: the batches seen are exactly one run's."""
+    ds = warm(CachedDataset(Synthetic(50), cache_dir))
+    want = reference(ds, 8, seed=3, shuffle=True) + reference(ds, 8, seed=3, epoch=1, shuffle=True)
+    got, state = [], None
+    for stop in (2, 4, 7, 9):  # 7 batches per epoch: the third stop is the very end of epoch 0
+        loader = ds.loader(8, shuffle=True, seed=3)
+        if state is not None:
+            loader.load_state_dict(state)
+        for batch in loader:
+            got.append(batch)
+            if len(got) == stop:
+                break
+        state = loader.state_dict()
+        loader.close()
+    same(got, want[:9])
+    assert state == {"seed": 3, "epoch": 1, "batches": 2}
+
+
+def test_a_kept_batch_is_never_overwritten(cache_dir, copies):
+    """Batches (and views of them) kept by the user keep their values; dropped buffers are reused."""
+    ds = warm(CachedDataset(Synthetic(64), cache_dir))
+    loader = ds.loader(4, shuffle=True, prefetch=1)
+    kept, copies = [], []
+    for _ in range(3):
+        for k, batch in enumerate(loader):
+            if k % 5 == 0:
+                kept.append(batch[0] if k % 2 else batch[0][1:3])  # a whole batch tensor, or a view of one
+                copies.append(kept[-1].clone())
+    for a, b in zip(kept, copies):
+        assert torch.equal(a, b)
+    assert len(loader._ring.buffers) <= 4
+    loader.close()
+
+
+def test_buffers_are_reused_when_batches_are_dropped(cache_dir, monkeypatch):
+    """A consumer that keeps nothing costs at most prefetch + 3 batch allocations over several epochs."""
+    import lmdbcache._gather as gather
+
+    ds = warm(CachedDataset(Synthetic(64), cache_dir))
+    made = []
+    allocate = gather.Layout.allocate
+    monkeypatch.setattr(gather.Layout, "allocate", lambda self, rows: made.append(rows) or allocate(self, rows))
+    loader = ds.loader(4, shuffle=True, prefetch=2)
+    for _ in range(3):
+        for batch in loader:
+            batch[0].add_(0)  # used, then dropped when the loop moves on
+    loader.close()
+    assert 1 <= len(made) <= 5
+
+
+def test_misses_filled_through_the_loader_equal_later_hits(cache_dir):
+    """A cold cache is filled by the loader; its batches equal those read back from the warm cache."""
+    ds = CachedDataset(Synthetic(40), cache_dir)
+    cold = list(ds.loader(8, shuffle=True))
+    ds.flush()
+    assert ds.is_complete
+    ds.close()
+    warm_ds = CachedDataset.open(cache_dir)
+    loader = warm_ds.loader(8, shuffle=True)
+    loader.set_epoch(0)
+    same(cold, list(loader))
+    same(cold, reference(warm_ds, 8, shuffle=True))
+
+
+def damage(path, index, at):
+    """Flip the byte ``at`` of index's stored value (negative: from its end)."""
+    with raw_cache(path) as (txn, samples, _):
+        value = bytearray(txn.get(key(index), db=samples))
+        value[at] ^= 0xFF
+        txn.put(key(index), bytes(value), db=samples)
+
+
+def damage_in_place(path, index):
+    """Flip the last byte of index's tensor in data.mdb, under the open reader (every copy of it LMDB holds)."""
+    needle = sample_for(index)[0].numpy().tobytes()
+    with open(path / "data.mdb", "r+b") as f:
+        data = f.read()
+        at = data.find(needle)
+        assert at >= 0
+        while at >= 0:
+            f.seek(at + len(needle) - 1)
+            f.write(bytes([needle[-1] ^ 0xFF]))
+            at = data.find(needle, at + 1)
+
+
+@pytest.mark.parametrize("checksum", ["once", "always"])
+@pytest.mark.parametrize(("what", "at"), [("data", -1), ("structure", 30), ("header", 10)])
+def test_a_damaged_value_raises_what_the_dataset_raises(cache_dir, checksum, what, at, copies):
+    """A damaged value raises CorruptSampleError with the dataset's message; no batch holding it is yielded."""
+    warm(CachedDataset(Synthetic(24), cache_dir)).close()
+    damage(cache_dir, 13, at)
+    ds = CachedDataset.open(cache_dir, checksum=checksum)
+    with pytest.raises(CorruptSampleError) as raised:
+        for batch in ds.loader(8):
+            assert 13 not in batch[1].tolist()
+    with pytest.raises(CorruptSampleError) as direct:
+        ds[13]
+    assert str(raised.value) == str(direct.value)
+    assert "index 13" in str(raised.value)
+
+
+def test_always_verifies_data_already_read(cache_dir):
+    """checksum='always': a value damaged after the loader read it once is refused on the next read."""
+    warm(CachedDataset(Synthetic(16), cache_dir)).close()
+    ds = CachedDataset.open(cache_dir, checksum="always")
+    same(list(ds.loader(8)), reference(ds, 8))
+    damage_in_place(cache_dir, 3)
+    time.sleep(0.3)  # past the kept read transaction's age
+    with pytest.raises(CorruptSampleError, match="index 3"):
+        list(ds.loader(8))
+
+
+def test_a_value_under_another_key_is_refused(cache_dir):
+    """Index 3's value stored under index 5 is damage, not index 3's sample."""
+    warm(CachedDataset(Synthetic(10), cache_dir)).close()
+    with raw_cache(cache_dir) as (txn, samples, _):
+        txn.put(key(5), bytes(txn.get(key(3), db=samples)), db=samples)
+    ds = CachedDataset.open(cache_dir)
+    with pytest.raises(CorruptSampleError, match="index 5"):
+        list(ds.loader(4))
+
+
+def threads_after(action):
+    before = set(threading.enumerate())
+    action()
+    deadline = time.monotonic() + 5
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return set(threading.enumerate()) - before
+
+
+def test_break_leaves_no_thread(cache_dir):
+    """Leaving a pass early joins its planner and copy threads; close() is idempotent."""
+    ds = warm(CachedDataset(Synthetic(64), cache_dir))
+    loader = ds.loader(4, prefetch=4)
+
+    def run():
+        for _ in loader:
+            break
+
+    assert not threads_after(run)
+    loader.close()
+    loader.close()
+
+
+def test_a_transform_error_reaches_the_consumer_with_its_index(cache_dir):
+    """A failing per-sample transform is re-raised in the consumer, naming the index; no thread stays."""
+
+    def transform(sample):
+        if sample[1] == 21:
+            raise ValueError("bad augmentation")
+        return sample
+
+    warm(CachedDataset(Synthetic(40), cache_dir)).close()
+    ds = CachedDataset.open(cache_dir, transform=transform)
+    raised = []
+
+    def run():
+        with pytest.raises(ValueError, match="bad augmentation") as info:
+            list(ds.loader(8))
+        raised.append(info.value)
+
+    assert not threads_after(run)
+    notes = " ".join(getattr(raised[0], "__notes__", []))
+    assert "index 21" in notes and "batch 2" in notes
+
+
+def test_batch_transform_runs_on_whole_batches_and_its_errors_stop_cleanly(cache_dir):
+    """batch_transform sees each collated batch; its exception reaches the consumer; no thread stays."""
+    ds = warm(CachedDataset(Synthetic(24), cache_dir))
+    got = list(ds.loader(8, batch_transform=lambda b: (b[0].float() / 255, b[1])))
+    assert got[0][0].dtype == torch.float32 and got[2][1].tolist() == list(range(16, 24))
+
+    def fail(batch):
+        raise RuntimeError("boom")
+
+    def run():
+        with pytest.raises(RuntimeError, match="boom"):
+            list(ds.loader(8, batch_transform=fail))
+
+    assert not threads_after(run)
+
+
+def test_keyboard_interrupt_leaves_no_thread(cache_dir):
+    """KeyboardInterrupt in the consumer's loop stops the pass and joins its threads."""
+    ds = warm(CachedDataset(Synthetic(64), cache_dir))
+    loader = ds.loader(4, prefetch=2)
+
+    def run():
+        with pytest.raises(KeyboardInterrupt):
+            for k, _ in enumerate(loader):
+                if k == 3:
+                    raise KeyboardInterrupt
+
+    assert not threads_after(run)
+    assert loader.state_dict()["batches"] == 4
+    loader.close()
+
+
+def test_sample_values_come_through_unchanged(cache_dir):
+    """Flat-path tensors hold the source's bytes (checked against the deterministic samples)."""
+    ds = warm(CachedDataset(Synthetic(12), cache_dir))
+    (images, labels), *_ = list(ds.loader(12))
+    assert labels.tolist() == list(range(12))
+    assert torch.equal(images, torch.stack([sample_for(i)[0] for i in range(12)]))
