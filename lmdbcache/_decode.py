@@ -183,6 +183,11 @@ _Plan: TypeAlias = """tuple[
 _PLANS: dict[bytes | memoryview, _Plan] = {}  # looked up by memoryview slices, which hash like bytes
 
 
+def flat_plan(key: bytes) -> _Plan:
+    """The checked plan of a flat structure (its signature length and signature): ``_gather`` builds batches on it."""
+    return _PLANS.get(key) or _plan(key)
+
+
 def _plan(key: bytes) -> _Plan:
     """Parse and check a flat structure's signature length and signature, and remember them."""
     if len(key) < 2 or U16.unpack_from(key)[0] != len(key) - 2:

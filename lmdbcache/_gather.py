@@ -11,7 +11,8 @@ checksum is verified over the copy when the store asks for it; whatever fails ra
 in another form (msgpack, format 1, another signature) makes the batch fall back to
 ``CachedDataset.__getitems__``: it is never parsed here.
 
-The codec internals used here (and only here): ``_MAGIC``, ``_head``, ``_PLANS``, ``_plan``.
+The codec pieces used here (and only here): ``_format.MAGIC`` and the header layout, and
+``_decode.flat_plan`` (the same checked plan ``decode`` uses).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import numpy as np
 import torch
 import xxhash
 
-from .codec import _MAGIC, _PLANS, _head, _plan
+from ._decode import flat_plan
+from ._format import HEAD_AND_FLAT, MAGIC
 from .errors import CorruptSampleError
 
 __all__ = ["Buffers", "Layout", "layout_of"]
@@ -37,6 +39,9 @@ _use_count = torch._C._storage_Use_Count
 _SCALAR_DTYPES: dict[str, np.dtype[Any]] = {"q": np.dtype("<i8"), "d": np.dtype("<f8"), "?": np.dtype("u1")}
 
 
+_head = HEAD_AND_FLAT.unpack_from
+
+
 def _corrupt(index: int, reason: str) -> CorruptSampleError:
     exc = CorruptSampleError(reason)
     exc.index = index  # type: ignore[attr-defined]  # read by ReadPath.read_batch
@@ -47,9 +52,9 @@ class Layout:
     """The batch form of one flat signature: where each field lies in a value, and its batch dtype and shape."""
 
     def __init__(self, key: bytes) -> None:
-        unpack, self.scalars_at, self.struct_size, self.value_size, tensors, order, _ = _PLANS.get(key) or _plan(key)
+        unpack, self.scalars_at, self.struct_size, self.value_size, tensors, order, _ = flat_plan(key)
         self.key = key
-        codes = unpack.__self__.format[1:]  # the plan's struct.Struct("<" + codes)
+        codes = unpack.__self__.format[1:]  # type: ignore[attr-defined]  # a bound Struct.unpack_from: "<" + codes
         self.scalar_size = struct.calcsize("<" + codes)
         pos = 24 + self.struct_size
         self.tensors: list[tuple[int, int, np.dtype, tuple[int, ...], torch.dtype | None]] = []
@@ -106,7 +111,7 @@ class Buffers:
                 magic, size, structure_hash, data_hash, first, sig = _head(mv)
             except struct.error:
                 return False
-            if magic != _MAGIC or first != _FLAT or sig + 2 != klen or mv[25 : 25 + klen] != key:
+            if magic != MAGIC or first != _FLAT or sig + 2 != klen or mv[25 : 25 + klen] != key:
                 return False
             end = 24 + size
             if _xxh3(mv[24:end], index) != structure_hash:
@@ -158,7 +163,7 @@ def layout_of(mv: Any, index: int, layouts: dict[bytes, Layout]) -> Layout | Non
         magic, size, structure_hash, _, first, sig = _head(mv)
     except struct.error:
         return None
-    if magic != _MAGIC or first != _FLAT:
+    if magic != MAGIC or first != _FLAT:
         return None
     key = bytes(mv[25 : 27 + sig])
     layout = layouts.get(key)
