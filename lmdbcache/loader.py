@@ -16,6 +16,16 @@ allocated: no tensor handed out from it, nor any view, numpy array or storage of
 alive. A batch a user keeps therefore never changes under them (a fresh slot is allocated
 instead).
 
+Pinned memory (``pin_memory=True``). With CUDA the ring's tensors are allocated pinned, once
+per slot, never per batch; the copy threads write straight into them, so there is no pin
+thread. A pinned slot is reused only when, besides the use count, an event recorded when
+the consumer asked for the next batch has completed: by default an event on the consumer's
+current CUDA stream, so a ``non_blocking`` host-to-device copy of the previous batch issued
+on that stream has finished reading it (copies on another stream: pass ``record_event``).
+When every slot waits only on its event, the planner waits for the oldest one rather than
+allocate. Without CUDA, ``pin_memory=True`` warns (as DataLoader does) and is ignored.
+Fallback batches (below) are pinned per batch, as DataLoader's pin thread does.
+
 Fallback. A batch with a miss (cache incomplete), a value not in the codec's flat form
 (dicts, lists, PIL images, ...) or samples of different signatures (variable shapes) is read
 through ``CachedDataset.__getitems__`` on the copy threads and collated with
@@ -31,6 +41,7 @@ import itertools
 import os
 import queue
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
@@ -38,9 +49,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DistributedSampler
 from torch.utils.data._utils.collate import default_collate
+from torch.utils.data._utils.pin_memory import pin_memory as pin_batch
 
 from ._gather import Buffers, Layout, layout_of
-from .errors import InvalidOptionError
+from .errors import InvalidOptionError, LmdbCacheWarning
 from .store import MISSING
 
 if TYPE_CHECKING:
@@ -74,25 +86,38 @@ def _world(rank: int | None, world_size: int | None) -> tuple[int, int] | None:
 class _Ring:
     """Batch buffers reused only when no handed-out tensor of theirs is alive (see the module docstring)."""
 
-    def __init__(self, slots: int, rows: int) -> None:
-        self.slots, self.rows = slots, rows
+    def __init__(self, slots: int, rows: int, memory: str = "plain") -> None:
+        self.slots, self.rows, self.memory = slots, rows, memory
         self.buffers: list[Buffers] = []
         self.lock = threading.Lock()
 
-    def acquire(self, layout: Layout) -> Buffers:
+    def acquire(self, layout: Layout, rows: int) -> Buffers:
         with self.lock:
-            kept = [b for b in self.buffers if b.layout is layout]
+            kept = [b for b in self.buffers if b.layout is layout and b.rows >= rows]
             if len(kept) != len(self.buffers):
-                self.buffers = kept  # another layout: the old slots go when their batches do
-            for buffers in kept:
-                if buffers.free():
-                    buffers.busy = True
-                    return buffers
-            buffers = layout.allocate(self.rows)
-            buffers.busy = True
-            if len(kept) < self.slots:
-                self.buffers.append(buffers)
+                self.buffers = kept  # another layout or size: the old slots go when their batches do
+            buffers = next((b for b in kept if b.free()), None)
+            if buffers is None and len(kept) >= self.slots:
+                # Slots held only by the device's copies complete soon: wait, do not allocate.
+                waiting = next((b for b in kept if b.unused()), None)
+                if waiting is not None:
+                    _wait(waiting.event)
+                    buffers = waiting
+            if buffers is None:
+                buffers = layout.allocate(max(rows, self.rows), self.memory)
+                if len(kept) < self.slots:
+                    self.buffers.append(buffers)
+            buffers.busy, buffers.event = True, None
             return buffers
+
+
+def _wait(event: Any) -> None:
+    """Block until ``event`` (a CUDA event, or any object with query() and maybe synchronize()) completes."""
+    synchronize = getattr(event, "synchronize", None)
+    if synchronize is not None:
+        synchronize()
+    while not event.query():
+        threading.Event().wait(0.0005)
 
 
 class Loader:
@@ -114,8 +139,10 @@ class Loader:
     is prefetched.
 
     ``batch_transform`` runs on the planner thread on every whole batch. See the module
-    docstring for threads, buffer reuse and the fallback path (misses, non-flat samples,
-    per-sample ``transform``).
+    docstring for threads, buffer reuse, pinned memory (``pin_memory``; ``record_event``: a
+    callable run in the consumer's thread each time it asks for the next batch, returning an
+    event with ``query()``; the previous batch's slot is reused only once it is done) and
+    the fallback path (misses, non-flat samples, per-sample ``transform``).
     """
 
     def __init__(
@@ -131,6 +158,8 @@ class Loader:
         rank: int | None = None,
         world_size: int | None = None,
         batch_transform: Callable[[Any], Any] | None = None,
+        pin_memory: bool = False,
+        record_event: Callable[[], Any] | None = None,
     ) -> None:
         for name, value, low in (
             ("batch_size", batch_size, 1),
@@ -146,7 +175,19 @@ class Loader:
         self.batch_transform = batch_transform
         self.world = _world(rank, world_size)
         self.epoch, self.delivered = 0, 0
-        self._ring = _Ring(prefetch + 3, batch_size)  # see the module docstring
+        self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
+        if pin_memory and not self.pin_memory:
+            warnings.warn(
+                "lmdbcache.Loader: pin_memory=True but CUDA is not available; batches are not pinned.",
+                LmdbCacheWarning,
+                stacklevel=2,
+            )
+        if record_event is None and self.pin_memory:
+            record_event = _current_stream_event
+        self.record_event = record_event
+        self._ring = _Ring(
+            prefetch + 3, batch_size, "pinned" if self.pin_memory else "plain"
+        )  # see the module docstring
         self._layouts: dict[bytes, Layout] = {}
         self._pass: _Pass | None = None
         self._closed = False
@@ -222,16 +263,24 @@ class Loader:
     def _run(self, epoch: int, batches: list[list[int]], start: int) -> Iterator[Any]:
         run = _Pass(self, epoch, batches, start)
         self._pass = run
+        record, slots = self.record_event, []
         try:
             for k in range(start, len(batches)):
                 item = run.get()
                 if isinstance(item, BaseException):
                     raise item
-                self.delivered = k + 1
-                yield item
+                batch, slots = item
                 del item
+                self.delivered = k + 1
+                yield batch
+                # The consumer asks for the next batch: its device copies of this one are queued.
+                if record is not None and slots:
+                    _stamp(slots, record())
+                del batch
             self.epoch, self.delivered = epoch + 1, 0
         finally:
+            if record is not None and slots and slots[0].event is None:
+                _stamp(slots, record())  # the last batch (or the one a break left): same rule
             run.stop()
             if self._pass is run:
                 self._pass = None
@@ -299,9 +348,11 @@ class _Pass:
                 return
             indices = self.batches[k]
             try:
-                batch = self._gather(indices)
+                batch, slots = self._gather(indices)
                 if batch is None:
                     batch = self._fallback(indices)
+                    if self.loader.pin_memory:
+                        batch = pin_batch(batch)  # type: ignore[no-untyped-call]  # per batch: fallback only
                 transform = self.loader.batch_transform
                 if transform is not None:
                     batch = transform(batch)
@@ -309,15 +360,15 @@ class _Pass:
                 _note(exc, f"lmdbcache.Loader: raised loading batch {k} of epoch {self.epoch} (indices {indices})")
                 self._put(exc)
                 return
-            if not self._put(batch):
+            if not self._put((batch, slots)):
                 return
-            del batch
+            del batch, slots
 
-    def _gather(self, indices: list[int]) -> Any:
-        """The batch copied from the map, or None when it must take the fallback path."""
+    def _gather(self, indices: list[int]) -> tuple[Any, list[Buffers]]:
+        """The batch copied from the map (None when it must take the fallback path) and its ring slots."""
         ds = self.ds
         if ds.transform is not None:
-            return None
+            return None, []
         store = ds._live_store()
         loader = self.loader
         taken: list[Buffers] = []
@@ -326,7 +377,7 @@ class _Pass:
             layout = layout_of(views[0], indices[0], loader._layouts)
             if layout is None:
                 return None
-            buffers = loader._ring.acquire(layout)
+            buffers = loader._ring.acquire(layout, len(views))
             taken.append(buffers)
             n, parts = len(views), min(loader.num_threads, len(views))
             if layout.sample_bytes * n < _INLINE:
@@ -345,7 +396,7 @@ class _Pass:
         finally:
             for buffers in taken:
                 buffers.busy = False  # from now on only the use count of its tensors holds it
-        return None if batch is MISSING else batch
+        return (None, []) if batch is MISSING or batch is None else (batch, taken)
 
     def _fallback(self, indices: list[int]) -> Any:
         """Through ``CachedDataset.__getitems__`` (or per index with a transform) on the copy threads."""
@@ -357,6 +408,15 @@ class _Pass:
         for f in futures:
             samples += f.result()
         return default_collate(samples)  # type: ignore[no-untyped-call]
+
+
+def _current_stream_event() -> Any:
+    return torch.cuda.current_stream().record_event()
+
+
+def _stamp(slots: list[Buffers], event: Any) -> None:
+    for buffers in slots:
+        buffers.event = event
 
 
 def _together(ds: CachedDataset, indices: list[int]) -> list[Any]:

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from torch.utils.data._utils.collate import default_collate
 
 import lmdbcache.loader as loader_module
-from lmdbcache import CachedDataset, CorruptSampleError
+from lmdbcache import CachedDataset, CorruptSampleError, LmdbCacheWarning
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -217,7 +217,7 @@ def test_buffers_are_reused_when_batches_are_dropped(cache_dir, monkeypatch):
     ds = warm(CachedDataset(Synthetic(64), cache_dir))
     made = []
     allocate = gather.Layout.allocate
-    monkeypatch.setattr(gather.Layout, "allocate", lambda self, rows: made.append(rows) or allocate(self, rows))
+    monkeypatch.setattr(gather.Layout, "allocate", lambda self, *a: made.append(a) or allocate(self, *a))
     loader = ds.loader(4, shuffle=True, prefetch=2)
     for _ in range(3):
         for batch in loader:
@@ -381,3 +381,56 @@ def test_sample_values_come_through_unchanged(cache_dir):
     (images, labels), *_ = list(ds.loader(12))
     assert labels.tolist() == list(range(12))
     assert torch.equal(images, torch.stack([sample_for(i)[0] for i in range(12)]))
+
+
+class FakeEvent:
+    """A device event that completes ``delay`` seconds after it is recorded (a host-to-device copy in flight)."""
+
+    def __init__(self, delay: float) -> None:
+        self.done = threading.Event()
+        self.timer = threading.Timer(delay, self.done.set)
+        self.timer.start()
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+
+def test_a_slot_is_reused_only_after_its_device_event(cache_dir, monkeypatch):
+    """With record_event, a slot whose batch the consumer dropped waits for its event; nothing is allocated instead."""
+    import lmdbcache._gather as gather
+
+    ds = warm(CachedDataset(Synthetic(64), cache_dir))
+    events: list[FakeEvent] = []
+    made, waited = [], []
+    allocate = gather.Layout.allocate
+    monkeypatch.setattr(gather.Layout, "allocate", lambda self, *a: made.append(a) or allocate(self, *a))
+    acquire = loader_module._Ring.acquire
+
+    def checked(ring, layout, rows):
+        pending = {id(b): b.event for b in ring.buffers if b.event is not None and not b.event.query()}
+        buffers = acquire(ring, layout, rows)
+        if id(buffers) in pending:
+            assert pending[id(buffers)].query(), "a slot was reused before its device copy finished"
+            waited.append(buffers)
+        return buffers
+
+    monkeypatch.setattr(loader_module._Ring, "acquire", checked)
+    loader = ds.loader(4, shuffle=True, prefetch=1, record_event=lambda: events.append(FakeEvent(0.02)) or events[-1])
+    for _ in range(2):
+        for batch in loader:
+            batch[0].add_(0)
+    loader.close()
+    assert len(events) == 32 and waited and len(made) <= 4
+    for event in events:
+        event.timer.join()
+
+
+def test_pin_memory_without_cuda_warns_and_is_ignored(cache_dir):
+    """Like DataLoader: pin_memory=True without CUDA warns, and batches are the usual (unpinned) ones."""
+    ds = warm(CachedDataset(Synthetic(20), cache_dir))
+    assert not torch.cuda.is_available()
+    with pytest.warns(LmdbCacheWarning, match="pin_memory"):
+        loader = ds.loader(8, pin_memory=True)
+    same(list(loader), reference(ds, 8))
+    assert loader.record_event is None
+    loader.close()
