@@ -33,6 +33,19 @@ through ``CachedDataset.__getitems__`` on the copy threads and collated with
 dataset with a per-sample ``transform`` always takes this path (the transform runs on the
 copy threads, under the GIL unless it releases it); the exception of a failing transform is
 re-raised in the consumer with a note naming the index.
+
+Random state of transforms (``seed_transforms=True``, the default). Before the transform of
+index ``i`` runs, the global generators of torch (CPU), numpy and ``random`` are seeded from
+a hash of (seed, epoch, i), and restored after it: a random augmentation gives the same
+result whatever the number of threads or their scheduling. The generators are process-wide,
+so the transforms run one at a time under a lock (a transform that releases the GIL no
+longer overlaps with another), and a draw the training thread makes from a global generator
+while a transform runs sees the transform's state: seed your training code's randomness
+through explicit ``torch.Generator`` objects, or pass ``seed_transforms=False`` (transforms
+then run concurrently, with whatever state the generators hold). Generators a transform
+owns (``torch.Generator``, ``np.random.Generator``) are not touched. Transforms that hold
+the GIL for long (PIL, pure Python) are better run in DataLoader worker processes: use
+``DataLoader(ds, collate_fn=lmdbcache collate)`` for them.
 """
 
 from __future__ import annotations
@@ -40,13 +53,18 @@ from __future__ import annotations
 import itertools
 import os
 import queue
+import random
+import struct
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
+import xxhash
 from torch.utils.data import DistributedSampler
 from torch.utils.data._utils.collate import default_collate
 from torch.utils.data._utils.pin_memory import pin_memory as pin_batch
@@ -129,6 +147,12 @@ class Loader:
     the indices of ``DistributedSampler(dataset, world_size, rank, shuffle=shuffle, seed=seed)``
     after ``set_epoch(epoch)``. The order is a pure function of (seed, epoch, rank, world size).
 
+    ``sampler`` (an iterable of indices, exclusive with ``shuffle``) or ``batch_sampler`` (an
+    iterable of index lists, exclusive with ``batch_size``, ``shuffle``, ``sampler`` and
+    ``drop_last``) replace that order as in DataLoader; distributed mode is then the
+    sampler's business. Before each pass, the sampler's ``set_epoch(epoch)`` is called if it
+    has one (for a ``BatchSampler``, its sampler's); resume assumes it gives the same order for the same epoch.
+
     Epochs and position. The loader keeps a position (epoch, batches delivered). Each pass
     (``for batch in loader``) continues from it: a complete pass moves to the next epoch, so
     iterating without ``set_epoch`` advances the epoch every pass; a pass ended early
@@ -148,7 +172,7 @@ class Loader:
     def __init__(
         self,
         dataset: CachedDataset,
-        batch_size: int,
+        batch_size: int | None = 1,
         *,
         shuffle: bool = False,
         seed: int = 0,
@@ -160,7 +184,21 @@ class Loader:
         batch_transform: Callable[[Any], Any] | None = None,
         pin_memory: bool = False,
         record_event: Callable[[], Any] | None = None,
+        sampler: Iterable[int] | None = None,
+        batch_sampler: Iterable[list[int]] | None = None,
+        seed_transforms: bool = True,
     ) -> None:
+        if batch_sampler is not None:
+            if batch_size not in (None, 1) or shuffle or sampler is not None or drop_last:
+                raise InvalidOptionError(
+                    "batch_sampler is mutually exclusive with batch_size, shuffle, sampler and drop_last (as in "
+                    "DataLoader): leave them at their defaults."
+                )
+            batch_size = 1  # the ring's rows grow to the largest batch
+        elif sampler is not None and shuffle:
+            raise InvalidOptionError("sampler is mutually exclusive with shuffle (as in DataLoader).")
+        if batch_size is None:
+            raise InvalidOptionError("batch_size must be an int >= 1 (None only with a batch_sampler).")
         for name, value, low in (
             ("batch_size", batch_size, 1),
             ("num_threads", num_threads, 1),
@@ -173,7 +211,11 @@ class Loader:
         self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, bool(shuffle), seed
         self.drop_last, self.num_threads, self.prefetch = bool(drop_last), num_threads, prefetch
         self.batch_transform = batch_transform
-        self.world = _world(rank, world_size)
+        self.sampler, self.batch_sampler, self.seed_transforms = sampler, batch_sampler, bool(seed_transforms)
+        custom = sampler is not None or batch_sampler is not None
+        self.world = None if custom and rank is None else _world(rank, world_size)
+        if custom and self.world is not None:
+            raise InvalidOptionError("With a sampler or batch_sampler, split the data across ranks in the sampler.")
         self.epoch, self.delivered = 0, 0
         self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
         if pin_memory and not self.pin_memory:
@@ -197,6 +239,8 @@ class Loader:
     def order(self, epoch: int) -> list[int]:
         """This rank's indices for ``epoch``, in order."""
         n = len(self.dataset)
+        if self.sampler is not None:
+            return [int(i) for i in _epoch_of(self.sampler, epoch)]
         if self.world is not None:
             rank, world_size = self.world
             sampler: DistributedSampler[int] = DistributedSampler(
@@ -216,12 +260,19 @@ class Loader:
 
     def batches(self, epoch: int) -> list[list[int]]:
         """This rank's batches of indices for ``epoch``."""
+        if self.batch_sampler is not None:
+            return [[int(i) for i in b] for b in _epoch_of(self.batch_sampler, epoch)]
         order, size = self.order(epoch), self.batch_size
         stop = len(order) - len(order) % size if self.drop_last else len(order)
         return [order[k : k + size] for k in range(0, stop, size)]
 
     def __len__(self) -> int:
-        n = len(self.order(0)) if self.world is not None else len(self.dataset)
+        if self.batch_sampler is not None:
+            return len(self.batch_sampler)  # type: ignore[arg-type]
+        if self.sampler is not None:
+            n = len(self.sampler)  # type: ignore[arg-type]
+        else:
+            n = len(self.order(0)) if self.world is not None else len(self.dataset)
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
@@ -402,8 +453,13 @@ class _Pass:
         """Through ``CachedDataset.__getitems__`` (or per index with a transform) on the copy threads."""
         ds, parts = self.ds, min(self.loader.num_threads, len(indices))
         bounds = [len(indices) * p // parts for p in range(parts + 1)]
-        read = _one_by_one if ds.transform is not None else _together
-        futures = [self.pool.submit(read, ds, indices[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
+        if ds.transform is None:
+            futures = [self.pool.submit(_together, ds, indices[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
+        else:
+            seeds = (self.loader.seed, self.epoch) if self.loader.seed_transforms else None
+            futures = [
+                self.pool.submit(_one_by_one, ds, indices[lo:hi], seeds) for lo, hi in itertools.pairwise(bounds)
+            ]
         samples: list[Any] = []
         for f in futures:
             samples += f.result()
@@ -423,15 +479,48 @@ def _together(ds: CachedDataset, indices: list[int]) -> list[Any]:
     return ds.__getitems__(indices)
 
 
-def _one_by_one(ds: CachedDataset, indices: list[int]) -> list[Any]:
+def _one_by_one(ds: CachedDataset, indices: list[int], seeds: tuple[int, int] | None = None) -> list[Any]:
     out = []
     for index in indices:
         try:
-            out.append(ds[index])
+            if seeds is None:
+                out.append(ds[index])
+            else:
+                with _seeded(*seeds, index):
+                    out.append(ds[index])
         except Exception as exc:
             _note(exc, f"lmdbcache.Loader: raised by the dataset (or its transform) at index {index}")
             raise
     return out
+
+
+def _epoch_of(sampler: Iterable[Any], epoch: int) -> Iterable[Any]:
+    set_epoch = getattr(sampler, "set_epoch", None) or getattr(getattr(sampler, "sampler", None), "set_epoch", None)
+    if set_epoch is not None:  # a BatchSampler's epoch is its sampler's
+        set_epoch(epoch)
+    return sampler
+
+
+# Held while a transform runs with the global generators seeded: they are process-wide.
+_RNG_LOCK = threading.Lock()
+_U64 = (1 << 64) - 1
+
+
+@contextmanager
+def _seeded(seed: int, epoch: int, index: int) -> Iterator[None]:
+    """The global torch (CPU), numpy and random generators seeded from (seed, epoch, index), restored after."""
+    value = xxhash.xxh3_64_intdigest(struct.pack("<QQQ", seed & _U64, epoch & _U64, index & _U64))
+    with _RNG_LOCK:
+        saved = torch.default_generator.get_state(), np.random.get_state(), random.getstate()
+        torch.default_generator.manual_seed(value)
+        np.random.seed(value & 0xFFFFFFFF)
+        random.seed(value)
+        try:
+            yield
+        finally:
+            torch.default_generator.set_state(saved[0])
+            np.random.set_state(saved[1])
+            random.setstate(saved[2])
 
 
 def _note(exc: BaseException, text: str) -> None:

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from torch.utils.data._utils.collate import default_collate
 
 import lmdbcache.loader as loader_module
-from lmdbcache import CachedDataset, CorruptSampleError, LmdbCacheWarning
+from lmdbcache import CachedDataset, CorruptSampleError, InvalidOptionError, LmdbCacheWarning
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -434,3 +434,57 @@ def test_pin_memory_without_cuda_warns_and_is_ignored(cache_dir):
     same(list(loader), reference(ds, 8))
     assert loader.record_event is None
     loader.close()
+
+
+def random_transform(sample):
+    """A random augmentation drawing from the three global generators."""
+    import random
+
+    import numpy as np
+
+    image, label = sample
+    noise = torch.randint(0, 5, image.shape, dtype=torch.uint8)
+    return image + noise, label * 1000 + random.randrange(1000), float(np.random.rand())
+
+
+def test_random_transforms_do_not_depend_on_threads(cache_dir):
+    """Random transforms are seeded per (seed, epoch, index): 1 and 3 threads give equal batches; epochs differ."""
+    warm(CachedDataset(Synthetic(40), cache_dir)).close()
+    ds = CachedDataset.open(cache_dir, transform=random_transform)
+    state = torch.get_rng_state()
+    runs = []
+    for threads in (1, 3, 3):
+        loader = ds.loader(8, shuffle=True, seed=4, num_threads=threads)
+        runs.append([list(loader), list(loader)])  # epochs 0 and 1
+        loader.close()
+    same(runs[0], runs[1])
+    same(runs[0], runs[2])
+    assert not torch.equal(runs[0][0][0][0], runs[0][1][0][0]) or runs[0][0][0][1].tolist() != runs[0][1][0][1].tolist()
+    labels = torch.cat([b[1] for b in runs[0][1]]) // 1000
+    assert sorted(labels.tolist()) == list(range(40))
+    assert torch.equal(torch.get_rng_state(), state)  # the consumer's generator state is restored
+
+
+def test_sampler_and_batch_sampler_as_in_dataloader(cache_dir):
+    """sampler= and batch_sampler= give DataLoader's batches; set_epoch is called on samplers that have one."""
+    from torch.utils.data import BatchSampler
+
+    ds = warm(CachedDataset(Synthetic(30), cache_dir))
+    order = [7, 3, 29, 0, 11, 5, 6, 13, 2]
+    loader = ds.loader(4, sampler=order)
+    same(list(loader), list(DataLoader(ds, 4, sampler=order)))
+    assert len(loader) == 3
+    groups = [[1, 2, 3], list(range(4, 14)), [20], [0, 29]]
+    loader = ds.loader(None, batch_sampler=groups)
+    same(list(loader), list(DataLoader(ds, batch_sampler=groups)))
+    assert len(loader) == 4
+    dist = DistributedSampler(range(30), num_replicas=2, rank=1, shuffle=True, seed=9)  # type: ignore[arg-type]
+    loader = ds.loader(None, batch_sampler=BatchSampler(dist, 5, drop_last=False))
+    loader.set_epoch(3)
+    got = torch.cat([b[1] for b in loader]).tolist()
+    dist.set_epoch(3)
+    assert got == list(dist)
+    with pytest.raises(InvalidOptionError, match="mutually exclusive"):
+        ds.loader(4, sampler=order, shuffle=True)
+    with pytest.raises(InvalidOptionError, match="mutually exclusive"):
+        ds.loader(4, batch_sampler=groups)
