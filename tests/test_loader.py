@@ -488,3 +488,31 @@ def test_sampler_and_batch_sampler_as_in_dataloader(cache_dir):
         ds.loader(4, sampler=order, shuffle=True)
     with pytest.raises(InvalidOptionError, match="mutually exclusive"):
         ds.loader(4, batch_sampler=groups)
+
+
+def memory_now():
+    """(PSS, anonymous PSS) of this process, in bytes."""
+    fields = {}
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in ("Pss", "Pss_Anon"):
+                fields[name] = int(rest.split()[0]) * 1024
+    return fields["Pss"], fields["Pss_Anon"]
+
+
+def test_memory_does_not_grow_from_epoch_to_epoch(cache_dir):
+    """PSS after epoch 4 is within a generous bound of PSS after epoch 2: batches are reused or freed, not leaked."""
+    image = torch.zeros(3, 128, 128, dtype=torch.uint8)
+    ds = warm(CachedDataset(Listed([(image + (i % 200), i) for i in range(256)]), cache_dir, map_size=64 << 20))
+    batch_bytes = 32 * image.numel()
+    loader = ds.loader(32, shuffle=True, prefetch=2)
+    seen = {}
+    for epoch in range(1, 5):
+        for batch in loader:
+            batch[0].add_(0)
+        seen[epoch] = memory_now()
+    loader.close()
+    epoch_bytes = 8 * batch_bytes  # a leak of every batch would add this per epoch
+    assert seen[4][0] - seen[2][0] < epoch_bytes, seen
+    assert seen[4][1] - seen[2][1] < epoch_bytes, seen
