@@ -27,6 +27,8 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
+import torch
+from torch.utils.data import get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
 from ._gather import Buffers, Layout, layout_of
@@ -39,18 +41,47 @@ __all__ = ["Collated", "collate", "gather_shared", "wants_batch"]
 
 
 class Collated(list):  # type: ignore[type-arg]
-    """A batch already collated by ``CachedDataset.__getitems__``: default_collate's list of field tensors."""
+    """A batch already collated by ``CachedDataset.__getitems__``: default_collate's list of field tensors.
 
-    __slots__ = ()
+    Every field is a view of one shared-memory segment. Pickled (a worker sending it to the
+    main process), it travels as that one segment plus each field's dtype, shape, stride and
+    offset, and is rebuilt as a plain list: one file descriptor per batch, where torch's
+    pickler sends one per tensor (each is a connection to the worker's resource sharer).
+    """
 
-    def __reduce__(self) -> Any:  # pickled as the plain list it stands for
-        return (list, (list(self),))
+    __slots__ = ("fields", "segment")
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        super().__init__(tensors)
+        storage = tensors[0].untyped_storage()
+        base = storage.data_ptr()
+        self.segment: torch.Tensor | None = None
+        self.fields = [(t.dtype, tuple(t.shape), t.stride(), t.storage_offset()) for t in tensors]
+        if all(t.untyped_storage().data_ptr() == base for t in tensors):
+            self.segment = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))  # type: ignore[call-overload]
+
+    def __reduce__(self) -> Any:
+        if self.segment is None:
+            return (list, (list(self),))
+        return (_rebuild, (self.segment, self.fields))
+
+
+def _rebuild(
+    segment: torch.Tensor, fields: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]]
+) -> list[Any]:
+    """The plain list of field tensors a ``Collated`` stood for, as views of its unpickled segment."""
+    storage = segment.untyped_storage()
+    return [torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride) for dtype, shape, stride, offset in fields]
 
 
 def collate(batch: Any) -> Any:
-    """Drop-in ``collate_fn``: a ``Collated`` batch as it is, anything else through ``default_collate``."""
+    """Drop-in ``collate_fn``: a ``Collated`` batch as it is, anything else through ``default_collate``.
+
+    In a DataLoader worker the ``Collated`` itself is returned (it pickles compactly and
+    arrives as a plain list); in the main process (``num_workers=0``) a plain list.
+    """
     if type(batch) is Collated:
-        return list(batch)
+        return batch if get_worker_info() is not None else list(batch)
     return default_collate(batch)  # type: ignore[no-untyped-call]
 
 

@@ -90,6 +90,20 @@ def _empty(shape: tuple[int, ...], dtype: np.dtype[Any], memory: str) -> torch.T
     return out
 
 
+def _one_segment(specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[torch.Tensor]:
+    """Uninitialized tensors of these shapes and dtypes, laid out 64-byte aligned in one shared-memory segment."""
+    offsets, end = [], 0
+    for shape, dtype in specs:
+        offsets.append(end)
+        end += -(-int(np.prod(shape)) * dtype.itemsize // 64) * 64
+    storage = torch.UntypedStorage._new_shared(end)  # type: ignore[no-untyped-call]
+    out = []
+    for (shape, dtype), offset in zip(specs, offsets):
+        torch_dtype = torch.from_numpy(np.empty(0, dtype)).dtype
+        out.append(torch.empty(0, dtype=torch_dtype).set_(storage, offset // dtype.itemsize, shape))  # type: ignore[call-overload]
+    return out
+
+
 class Buffers:
     """One ring slot: a batch tensor per tensor field, one per scalar field, and a staging array for the scalars.
 
@@ -98,13 +112,17 @@ class Buffers:
 
     def __init__(self, layout: Layout, rows: int, memory: str = "plain") -> None:
         self.layout, self.rows = layout, rows
-        self.tensors = [_empty((rows, *shape), carrier, memory) for _, _, carrier, shape, _ in layout.tensors]
+        specs = [((rows, *shape), carrier) for _, _, carrier, shape, _ in layout.tensors]
+        specs += [((rows,), _COLUMN_DTYPES[code]) for _, code in layout.scalars]
+        # "shared": one segment per batch, so a DataLoader worker sends one handle for it (lmdbcache._collate).
+        shared = memory == "shared"
+        fields = _one_segment(specs) if shared else [_empty(shape, dtype, memory) for shape, dtype in specs]
+        self.tensors, self.columns = fields[: len(layout.tensors)], fields[len(layout.tensors) :]
         self.flat = [memoryview(t.numpy()).cast("B") for t in self.tensors]  # type: ignore[arg-type]
         self.addresses = [t.data_ptr() for t in self.tensors]
         self.scalars = np.zeros((rows, layout.scalar_size), np.uint8)
         self.scalar_view = memoryview(self.scalars).cast("B")  # type: ignore[arg-type]
         # The scalar columns' batch tensors live in the slot too: no tensor is allocated per batch.
-        self.columns = [_empty((rows,), _COLUMN_DTYPES[code], memory) for _, code in layout.scalars]
         self.column_arrays = [c.numpy() for c in self.columns]
         self.busy = False
         self.event: Any = None  # set by the loader: the slot is reused only once event.query() is True

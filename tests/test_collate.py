@@ -131,3 +131,29 @@ def test_workers_build_the_batches(cache_dir, tmp_path, monkeypatch):
     lines = log.read_text().split("\n")[:-1]
     assert len(lines) == 3 and all(line.endswith("True") for line in lines)
     assert str(os.getpid()) not in {line.split()[0] for line in lines}
+
+
+def test_a_collated_batch_pickles_as_one_segment(cache_dir, monkeypatch):
+    """A Collated batch travels as one shared segment (one handle) and arrives as a plain list of equal views."""
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  # registers torch's reductions
+
+    ds = warm(CachedDataset(KINDS["flat floats, bools, int16"](), cache_dir))
+    monkeypatch.setattr(collate_module, "get_worker_info", lambda: object())  # as in a worker
+    built = []
+
+    def keep(batch):
+        built.append(collate(batch))
+        return batch
+
+    keep.lmdbcache_batched = True
+    for _ in DataLoader(ds, 16, collate_fn=keep):
+        pass
+    assert all(type(b) is Collated and b.segment is not None for b in built)
+    sent = ForkingPickler.dumps(built[-1])
+    assert bytes(sent).count(b"DupFd") == 1
+    got = pickle.loads(sent)
+    assert type(got) is list and len({t.untyped_storage().data_ptr() for t in got}) == 1
+    same(got, list(built[-1]))
