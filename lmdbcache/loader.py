@@ -151,7 +151,8 @@ class Loader:
     iterable of index lists, exclusive with ``batch_size``, ``shuffle``, ``sampler`` and
     ``drop_last``) replace that order as in DataLoader; distributed mode is then the
     sampler's business. Before each pass, the sampler's ``set_epoch(epoch)`` is called if it
-    has one (for a ``BatchSampler``, its sampler's); resume assumes it gives the same order for the same epoch.
+    has one (for a ``BatchSampler``, its sampler's); resume assumes it then gives the same
+    order for the same epoch.
 
     Epochs and position. The loader keeps a position (epoch, batches delivered). Each pass
     (``for batch in loader``) continues from it: a complete pass moves to the next epoch, so
@@ -227,9 +228,8 @@ class Loader:
         if record_event is None and self.pin_memory:
             record_event = _current_stream_event
         self.record_event = record_event
-        self._ring = _Ring(
-            prefetch + 3, batch_size, "pinned" if self.pin_memory else "plain"
-        )  # see the module docstring
+        memory = "pinned" if self.pin_memory else "plain"
+        self._ring = _Ring(prefetch + 3, batch_size, memory)  # see the module docstring
         self._layouts: dict[bytes, Layout] = {}
         self._pass: _Pass | None = None
         self._closed = False
