@@ -37,6 +37,7 @@ _BIG = 64 << 10  # bytes from which a copy goes through memmove (below, a memory
 _FLAT = 0xC1
 _use_count = torch._C._storage_Use_Count
 _SCALAR_DTYPES: dict[str, np.dtype[Any]] = {"q": np.dtype("<i8"), "d": np.dtype("<f8"), "?": np.dtype("u1")}
+_COLUMN_DTYPES: dict[str, np.dtype[Any]] = {"q": np.dtype("=i8"), "d": np.dtype("=f8"), "?": np.dtype("bool")}
 
 
 _head = HEAD_AND_FLAT.unpack_from
@@ -71,32 +72,73 @@ class Layout:
             order = tuple(range(len(tensors))) + tuple(~k for k in range(len(codes)))
         self.order: tuple[int, ...] = tuple(order)
 
-    def allocate(self, rows: int) -> Buffers:
-        return Buffers(self, rows)
+    def allocate(self, rows: int, memory: str = "plain") -> Buffers:
+        return Buffers(self, rows, memory)
+
+
+def _empty(shape: tuple[int, ...], dtype: np.dtype[Any], memory: str) -> torch.Tensor:
+    """An uninitialized tensor in ``memory``: "plain", "shared" (a shared-memory segment) or "pinned"."""
+    if memory == "plain":
+        return torch.from_numpy(np.empty(shape, dtype))
+    torch_dtype = torch.from_numpy(np.empty(0, dtype)).dtype
+    if memory == "pinned":
+        return torch.empty(shape, dtype=torch_dtype, pin_memory=True)
+    # Allocated shared from the start (share_memory_() would copy a private buffer into a new segment):
+    # a DataLoader worker then pickles a handle to it, not its bytes.
+    storage = torch.UntypedStorage._new_shared(int(np.prod(shape)) * dtype.itemsize)  # type: ignore[no-untyped-call]
+    out: torch.Tensor = torch.empty(0, dtype=torch_dtype).set_(storage, 0, shape)  # type: ignore[call-overload]
+    return out
+
+
+def _one_segment(specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[torch.Tensor]:
+    """Uninitialized tensors of these shapes and dtypes, laid out 64-byte aligned in one shared-memory segment."""
+    offsets, end = [], 0
+    for shape, dtype in specs:
+        offsets.append(end)
+        end += -(-int(np.prod(shape)) * dtype.itemsize // 64) * 64
+    storage = torch.UntypedStorage._new_shared(end)  # type: ignore[no-untyped-call]
+    out = []
+    for (shape, dtype), offset in zip(specs, offsets):
+        torch_dtype = torch.from_numpy(np.empty(0, dtype)).dtype
+        out.append(torch.empty(0, dtype=torch_dtype).set_(storage, offset // dtype.itemsize, shape))  # type: ignore[call-overload]
+    return out
 
 
 class Buffers:
-    """One ring slot: a batch tensor per tensor field and a staging array for the scalars."""
+    """One ring slot: a batch tensor per tensor field, one per scalar field, and a staging array for the scalars.
 
-    def __init__(self, layout: Layout, rows: int) -> None:
+    ``memory`` is where the batch tensors live: "plain", "shared" or "pinned" (see ``_empty``).
+    """
+
+    def __init__(self, layout: Layout, rows: int, memory: str = "plain") -> None:
         self.layout, self.rows = layout, rows
-        self.tensors = [
-            torch.from_numpy(np.empty((rows, *shape), carrier)) for _, _, carrier, shape, _ in layout.tensors
-        ]
+        specs = [((rows, *shape), carrier) for _, _, carrier, shape, _ in layout.tensors]
+        specs += [((rows,), _COLUMN_DTYPES[code]) for _, code in layout.scalars]
+        # "shared": one segment per batch, so a DataLoader worker sends one handle for it (lmdbcache._collate).
+        shared = memory == "shared"
+        fields = _one_segment(specs) if shared else [_empty(shape, dtype, memory) for shape, dtype in specs]
+        self.tensors, self.columns = fields[: len(layout.tensors)], fields[len(layout.tensors) :]
         self.flat = [memoryview(t.numpy()).cast("B") for t in self.tensors]  # type: ignore[arg-type]
         self.addresses = [t.data_ptr() for t in self.tensors]
         self.scalars = np.zeros((rows, layout.scalar_size), np.uint8)
         self.scalar_view = memoryview(self.scalars).cast("B")  # type: ignore[arg-type]
+        # The scalar columns' batch tensors live in the slot too: no tensor is allocated per batch.
+        self.column_arrays = [c.numpy() for c in self.columns]
         self.busy = False
-        self._base = [self._uses(t) for t in self.tensors]
+        self.event: Any = None  # set by the loader: the slot is reused only once event.query() is True
+        self._base = [self._uses(t) for t in self.tensors + self.columns]
 
     @staticmethod
     def _uses(t: torch.Tensor) -> int:
         return int(_use_count(t.untyped_storage()._cdata))
 
-    def free(self) -> bool:
+    def unused(self) -> bool:
         """True when no tensor handed out from this slot (or a view of one) is alive anywhere."""
-        return not self.busy and all(self._uses(t) == base for t, base in zip(self.tensors, self._base))
+        return not self.busy and all(self._uses(t) == base for t, base in zip(self.tensors + self.columns, self._base))
+
+    def free(self) -> bool:
+        """Unused, and the consumer's device copies of its last batch (``event``) are done."""
+        return self.unused() and (self.event is None or bool(self.event.query()))
 
     def fill(self, views: list[Any], checks: list[bool], indices: list[int], lo: int, hi: int) -> bool:
         """Copy values ``lo:hi`` into rows ``lo:hi``; False if one is not in this layout (nothing is wrong yet)."""
@@ -139,8 +181,8 @@ class Buffers:
     def batch(self, rows: int) -> list[torch.Tensor]:
         """The batch as ``default_collate`` returns a tuple sample: a list, one tensor per item in order.
 
-        Tensor fields are new views of this slot's tensors (each alive view counts against
-        ``free``); scalar fields are new tensors.
+        Every field is a new view of this slot's tensors (each alive view counts against
+        ``free``); the scalar columns are converted from the staging rows into theirs here.
         """
         layout = self.layout
         tensors = []
@@ -148,12 +190,13 @@ class Buffers:
             part = t if rows == self.rows else t[:rows]
             tensors.append(part.view(view) if view is not None else part.view(part.shape))
         scalars = []
-        for offset, code in layout.scalars:
+        for (offset, code), out, array in zip(layout.scalars, self.columns, self.column_arrays):
             column = np.ndarray((rows,), _SCALAR_DTYPES[code], self.scalars, offset, (layout.scalar_size,))
             if code == "?":
-                scalars.append(torch.from_numpy(column != 0))
+                np.not_equal(column, 0, out=array[:rows])
             else:
-                scalars.append(torch.from_numpy(column.astype(column.dtype.newbyteorder("="))))
+                array[:rows] = column
+            scalars.append(out[:rows])  # a new view: the slot's own tensor object would not count as handed out
         return [tensors[k] if k >= 0 else scalars[~k] for k in layout.order]
 
 

@@ -13,6 +13,8 @@ import xxhash
 from torch.utils.data import ConcatDataset, Dataset, Subset, TensorDataset
 
 from . import _registry
+from ._collate import gather_shared as _batched
+from ._collate import wants_batch
 from ._commit import Policy
 from ._diff import first_difference
 from ._options import check_options, parse_size
@@ -183,10 +185,18 @@ class CachedDataset(Dataset[Any]):
         return sample if transform is None else transform(sample)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        """A whole batch in one read transaction, misses filled together (the DataLoader calls this)."""
+        """A whole batch in one read transaction, misses filled together (the DataLoader calls this).
+
+        Called by a DataLoader whose ``collate_fn`` is ``lmdbcache.collate``, a batch of flat
+        samples comes back already collated into shared memory (``lmdbcache._collate``).
+        """
         n = self._length
         indices = [i if type(i) is int and 0 <= i < n else self._index(i) for i in indices]
         store = self._live_store()
+        if self.transform is None and wants_batch():
+            batch = _batched(store, indices, self._always, self._build)
+            if batch is not None:
+                return batch
         samples = store.get_many(indices, self._always, self._build)
         misses = [k for k, sample in enumerate(samples) if sample is MISSING]
         if misses:

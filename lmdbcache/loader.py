@@ -16,6 +16,16 @@ allocated: no tensor handed out from it, nor any view, numpy array or storage of
 alive. A batch a user keeps therefore never changes under them (a fresh slot is allocated
 instead).
 
+Pinned memory (``pin_memory=True``). With CUDA the ring's tensors are allocated pinned, once
+per slot, never per batch; the copy threads write straight into them, so there is no pin
+thread. A pinned slot is reused only when, besides the use count, an event recorded when
+the consumer asked for the next batch has completed: by default an event on the consumer's
+current CUDA stream, so a ``non_blocking`` host-to-device copy of the previous batch issued
+on that stream has finished reading it (copies on another stream: pass ``record_event``).
+When every slot waits only on its event, the planner waits for the oldest one rather than
+allocate. Without CUDA, ``pin_memory=True`` warns (as DataLoader does) and is ignored.
+Fallback batches (below) are pinned per batch, as DataLoader's pin thread does.
+
 Fallback. A batch with a miss (cache incomplete), a value not in the codec's flat form
 (dicts, lists, PIL images, ...) or samples of different signatures (variable shapes) is read
 through ``CachedDataset.__getitems__`` on the copy threads and collated with
@@ -23,6 +33,19 @@ through ``CachedDataset.__getitems__`` on the copy threads and collated with
 dataset with a per-sample ``transform`` always takes this path (the transform runs on the
 copy threads, under the GIL unless it releases it); the exception of a failing transform is
 re-raised in the consumer with a note naming the index.
+
+Random state of transforms (``seed_transforms=True``, the default). Before the transform of
+index ``i`` runs, the global generators of torch (CPU), numpy and ``random`` are seeded from
+a hash of (seed, epoch, i), and restored after it: a random augmentation gives the same
+result whatever the number of threads or their scheduling. The generators are process-wide,
+so the transforms run one at a time under a lock (a transform that releases the GIL no
+longer overlaps with another), and a draw the training thread makes from a global generator
+while a transform runs sees the transform's state: seed your training code's randomness
+through explicit ``torch.Generator`` objects, or pass ``seed_transforms=False`` (transforms
+then run concurrently, with whatever state the generators hold). Generators a transform
+owns (``torch.Generator``, ``np.random.Generator``) are not touched. Transforms that hold
+the GIL for long (PIL, pure Python) are better run in DataLoader worker processes: use
+``DataLoader(ds, collate_fn=lmdbcache collate)`` for them.
 """
 
 from __future__ import annotations
@@ -30,17 +53,24 @@ from __future__ import annotations
 import itertools
 import os
 import queue
+import random
+import struct
 import threading
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
+import xxhash
 from torch.utils.data import DistributedSampler
 from torch.utils.data._utils.collate import default_collate
+from torch.utils.data._utils.pin_memory import pin_memory as pin_batch
 
 from ._gather import Buffers, Layout, layout_of
-from .errors import InvalidOptionError
+from .errors import InvalidOptionError, LmdbCacheWarning
 from .store import MISSING
 
 if TYPE_CHECKING:
@@ -74,25 +104,38 @@ def _world(rank: int | None, world_size: int | None) -> tuple[int, int] | None:
 class _Ring:
     """Batch buffers reused only when no handed-out tensor of theirs is alive (see the module docstring)."""
 
-    def __init__(self, slots: int, rows: int) -> None:
-        self.slots, self.rows = slots, rows
+    def __init__(self, slots: int, rows: int, memory: str = "plain") -> None:
+        self.slots, self.rows, self.memory = slots, rows, memory
         self.buffers: list[Buffers] = []
         self.lock = threading.Lock()
 
-    def acquire(self, layout: Layout) -> Buffers:
+    def acquire(self, layout: Layout, rows: int) -> Buffers:
         with self.lock:
-            kept = [b for b in self.buffers if b.layout is layout]
+            kept = [b for b in self.buffers if b.layout is layout and b.rows >= rows]
             if len(kept) != len(self.buffers):
-                self.buffers = kept  # another layout: the old slots go when their batches do
-            for buffers in kept:
-                if buffers.free():
-                    buffers.busy = True
-                    return buffers
-            buffers = layout.allocate(self.rows)
-            buffers.busy = True
-            if len(kept) < self.slots:
-                self.buffers.append(buffers)
+                self.buffers = kept  # another layout or size: the old slots go when their batches do
+            buffers = next((b for b in kept if b.free()), None)
+            if buffers is None and len(kept) >= self.slots:
+                # Slots held only by the device's copies complete soon: wait, do not allocate.
+                waiting = next((b for b in kept if b.unused()), None)
+                if waiting is not None:
+                    _wait(waiting.event)
+                    buffers = waiting
+            if buffers is None:
+                buffers = layout.allocate(max(rows, self.rows), self.memory)
+                if len(kept) < self.slots:
+                    self.buffers.append(buffers)
+            buffers.busy, buffers.event = True, None
             return buffers
+
+
+def _wait(event: Any) -> None:
+    """Block until ``event`` (a CUDA event, or any object with query() and maybe synchronize()) completes."""
+    synchronize = getattr(event, "synchronize", None)
+    if synchronize is not None:
+        synchronize()
+    while not event.query():
+        threading.Event().wait(0.0005)
 
 
 class Loader:
@@ -104,6 +147,13 @@ class Loader:
     the indices of ``DistributedSampler(dataset, world_size, rank, shuffle=shuffle, seed=seed)``
     after ``set_epoch(epoch)``. The order is a pure function of (seed, epoch, rank, world size).
 
+    ``sampler`` (an iterable of indices, exclusive with ``shuffle``) or ``batch_sampler`` (an
+    iterable of index lists, exclusive with ``batch_size``, ``shuffle``, ``sampler`` and
+    ``drop_last``) replace that order as in DataLoader; distributed mode is then the
+    sampler's business. Before each pass, the sampler's ``set_epoch(epoch)`` is called if it
+    has one (for a ``BatchSampler``, its sampler's); resume assumes it then gives the same
+    order for the same epoch.
+
     Epochs and position. The loader keeps a position (epoch, batches delivered). Each pass
     (``for batch in loader``) continues from it: a complete pass moves to the next epoch, so
     iterating without ``set_epoch`` advances the epoch every pass; a pass ended early
@@ -114,14 +164,16 @@ class Loader:
     is prefetched.
 
     ``batch_transform`` runs on the planner thread on every whole batch. See the module
-    docstring for threads, buffer reuse and the fallback path (misses, non-flat samples,
-    per-sample ``transform``).
+    docstring for threads, buffer reuse, pinned memory (``pin_memory``; ``record_event``: a
+    callable run in the consumer's thread each time it asks for the next batch, returning an
+    event with ``query()``; the previous batch's slot is reused only once it is done) and
+    the fallback path (misses, non-flat samples, per-sample ``transform``).
     """
 
     def __init__(
         self,
         dataset: CachedDataset,
-        batch_size: int,
+        batch_size: int | None = 1,
         *,
         shuffle: bool = False,
         seed: int = 0,
@@ -131,7 +183,23 @@ class Loader:
         rank: int | None = None,
         world_size: int | None = None,
         batch_transform: Callable[[Any], Any] | None = None,
+        pin_memory: bool = False,
+        record_event: Callable[[], Any] | None = None,
+        sampler: Iterable[int] | None = None,
+        batch_sampler: Iterable[list[int]] | None = None,
+        seed_transforms: bool = True,
     ) -> None:
+        if batch_sampler is not None:
+            if batch_size not in (None, 1) or shuffle or sampler is not None or drop_last:
+                raise InvalidOptionError(
+                    "batch_sampler is mutually exclusive with batch_size, shuffle, sampler and drop_last (as in "
+                    "DataLoader): leave them at their defaults."
+                )
+            batch_size = 1  # the ring's rows grow to the largest batch
+        elif sampler is not None and shuffle:
+            raise InvalidOptionError("sampler is mutually exclusive with shuffle (as in DataLoader).")
+        if batch_size is None:
+            raise InvalidOptionError("batch_size must be an int >= 1 (None only with a batch_sampler).")
         for name, value, low in (
             ("batch_size", batch_size, 1),
             ("num_threads", num_threads, 1),
@@ -144,9 +212,24 @@ class Loader:
         self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, bool(shuffle), seed
         self.drop_last, self.num_threads, self.prefetch = bool(drop_last), num_threads, prefetch
         self.batch_transform = batch_transform
-        self.world = _world(rank, world_size)
+        self.sampler, self.batch_sampler, self.seed_transforms = sampler, batch_sampler, bool(seed_transforms)
+        custom = sampler is not None or batch_sampler is not None
+        self.world = None if custom and rank is None else _world(rank, world_size)
+        if custom and self.world is not None:
+            raise InvalidOptionError("With a sampler or batch_sampler, split the data across ranks in the sampler.")
         self.epoch, self.delivered = 0, 0
-        self._ring = _Ring(prefetch + 3, batch_size)  # see the module docstring
+        self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
+        if pin_memory and not self.pin_memory:
+            warnings.warn(
+                "lmdbcache.Loader: pin_memory=True but CUDA is not available; batches are not pinned.",
+                LmdbCacheWarning,
+                stacklevel=2,
+            )
+        if record_event is None and self.pin_memory:
+            record_event = _current_stream_event
+        self.record_event = record_event
+        memory = "pinned" if self.pin_memory else "plain"
+        self._ring = _Ring(prefetch + 3, batch_size, memory)  # see the module docstring
         self._layouts: dict[bytes, Layout] = {}
         self._pass: _Pass | None = None
         self._closed = False
@@ -156,6 +239,8 @@ class Loader:
     def order(self, epoch: int) -> list[int]:
         """This rank's indices for ``epoch``, in order."""
         n = len(self.dataset)
+        if self.sampler is not None:
+            return [int(i) for i in _epoch_of(self.sampler, epoch)]
         if self.world is not None:
             rank, world_size = self.world
             sampler: DistributedSampler[int] = DistributedSampler(
@@ -175,12 +260,19 @@ class Loader:
 
     def batches(self, epoch: int) -> list[list[int]]:
         """This rank's batches of indices for ``epoch``."""
+        if self.batch_sampler is not None:
+            return [[int(i) for i in b] for b in _epoch_of(self.batch_sampler, epoch)]
         order, size = self.order(epoch), self.batch_size
         stop = len(order) - len(order) % size if self.drop_last else len(order)
         return [order[k : k + size] for k in range(0, stop, size)]
 
     def __len__(self) -> int:
-        n = len(self.order(0)) if self.world is not None else len(self.dataset)
+        if self.batch_sampler is not None:
+            return len(self.batch_sampler)  # type: ignore[arg-type]
+        if self.sampler is not None:
+            n = len(self.sampler)  # type: ignore[arg-type]
+        else:
+            n = len(self.order(0)) if self.world is not None else len(self.dataset)
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
@@ -222,16 +314,24 @@ class Loader:
     def _run(self, epoch: int, batches: list[list[int]], start: int) -> Iterator[Any]:
         run = _Pass(self, epoch, batches, start)
         self._pass = run
+        record, slots = self.record_event, []
         try:
             for k in range(start, len(batches)):
                 item = run.get()
                 if isinstance(item, BaseException):
                     raise item
-                self.delivered = k + 1
-                yield item
+                batch, slots = item
                 del item
+                self.delivered = k + 1
+                yield batch
+                # The consumer asks for the next batch: its device copies of this one are queued.
+                if record is not None and slots:
+                    _stamp(slots, record())
+                del batch
             self.epoch, self.delivered = epoch + 1, 0
         finally:
+            if record is not None and slots and slots[0].event is None:
+                _stamp(slots, record())  # the last batch (or the one a break left): same rule
             run.stop()
             if self._pass is run:
                 self._pass = None
@@ -299,9 +399,11 @@ class _Pass:
                 return
             indices = self.batches[k]
             try:
-                batch = self._gather(indices)
+                batch, slots = self._gather(indices)
                 if batch is None:
                     batch = self._fallback(indices)
+                    if self.loader.pin_memory:
+                        batch = pin_batch(batch)  # type: ignore[no-untyped-call]  # per batch: fallback only
                 transform = self.loader.batch_transform
                 if transform is not None:
                     batch = transform(batch)
@@ -309,15 +411,15 @@ class _Pass:
                 _note(exc, f"lmdbcache.Loader: raised loading batch {k} of epoch {self.epoch} (indices {indices})")
                 self._put(exc)
                 return
-            if not self._put(batch):
+            if not self._put((batch, slots)):
                 return
-            del batch
+            del batch, slots
 
-    def _gather(self, indices: list[int]) -> Any:
-        """The batch copied from the map, or None when it must take the fallback path."""
+    def _gather(self, indices: list[int]) -> tuple[Any, list[Buffers]]:
+        """The batch copied from the map (None when it must take the fallback path) and its ring slots."""
         ds = self.ds
         if ds.transform is not None:
-            return None
+            return None, []
         store = ds._live_store()
         loader = self.loader
         taken: list[Buffers] = []
@@ -326,7 +428,7 @@ class _Pass:
             layout = layout_of(views[0], indices[0], loader._layouts)
             if layout is None:
                 return None
-            buffers = loader._ring.acquire(layout)
+            buffers = loader._ring.acquire(layout, len(views))
             taken.append(buffers)
             n, parts = len(views), min(loader.num_threads, len(views))
             if layout.sample_bytes * n < _INLINE:
@@ -345,33 +447,80 @@ class _Pass:
         finally:
             for buffers in taken:
                 buffers.busy = False  # from now on only the use count of its tensors holds it
-        return None if batch is MISSING else batch
+        return (None, []) if batch is MISSING or batch is None else (batch, taken)
 
     def _fallback(self, indices: list[int]) -> Any:
         """Through ``CachedDataset.__getitems__`` (or per index with a transform) on the copy threads."""
         ds, parts = self.ds, min(self.loader.num_threads, len(indices))
         bounds = [len(indices) * p // parts for p in range(parts + 1)]
-        read = _one_by_one if ds.transform is not None else _together
-        futures = [self.pool.submit(read, ds, indices[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
+        if ds.transform is None:
+            futures = [self.pool.submit(_together, ds, indices[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
+        else:
+            seeds = (self.loader.seed, self.epoch) if self.loader.seed_transforms else None
+            futures = [
+                self.pool.submit(_one_by_one, ds, indices[lo:hi], seeds) for lo, hi in itertools.pairwise(bounds)
+            ]
         samples: list[Any] = []
         for f in futures:
             samples += f.result()
         return default_collate(samples)  # type: ignore[no-untyped-call]
 
 
+def _current_stream_event() -> Any:
+    return torch.cuda.current_stream().record_event()
+
+
+def _stamp(slots: list[Buffers], event: Any) -> None:
+    for buffers in slots:
+        buffers.event = event
+
+
 def _together(ds: CachedDataset, indices: list[int]) -> list[Any]:
     return ds.__getitems__(indices)
 
 
-def _one_by_one(ds: CachedDataset, indices: list[int]) -> list[Any]:
+def _one_by_one(ds: CachedDataset, indices: list[int], seeds: tuple[int, int] | None = None) -> list[Any]:
     out = []
     for index in indices:
         try:
-            out.append(ds[index])
+            if seeds is None:
+                out.append(ds[index])
+            else:
+                with _seeded(*seeds, index):
+                    out.append(ds[index])
         except Exception as exc:
             _note(exc, f"lmdbcache.Loader: raised by the dataset (or its transform) at index {index}")
             raise
     return out
+
+
+def _epoch_of(sampler: Iterable[Any], epoch: int) -> Iterable[Any]:
+    set_epoch = getattr(sampler, "set_epoch", None) or getattr(getattr(sampler, "sampler", None), "set_epoch", None)
+    if set_epoch is not None:  # a BatchSampler's epoch is its sampler's
+        set_epoch(epoch)
+    return sampler
+
+
+# Held while a transform runs with the global generators seeded: they are process-wide.
+_RNG_LOCK = threading.Lock()
+_U64 = (1 << 64) - 1
+
+
+@contextmanager
+def _seeded(seed: int, epoch: int, index: int) -> Iterator[None]:
+    """The global torch (CPU), numpy and random generators seeded from (seed, epoch, index), restored after."""
+    value = xxhash.xxh3_64_intdigest(struct.pack("<QQQ", seed & _U64, epoch & _U64, index & _U64))
+    with _RNG_LOCK:
+        saved = torch.default_generator.get_state(), np.random.get_state(), random.getstate()
+        torch.default_generator.manual_seed(value)
+        np.random.seed(value & 0xFFFFFFFF)
+        random.seed(value)
+        try:
+            yield
+        finally:
+            torch.default_generator.set_state(saved[0])
+            np.random.set_state(saved[1])
+            random.setstate(saved[2])
 
 
 def _note(exc: BaseException, text: str) -> None:

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from torch.utils.data._utils.collate import default_collate
 
 import lmdbcache.loader as loader_module
-from lmdbcache import CachedDataset, CorruptSampleError
+from lmdbcache import CachedDataset, CorruptSampleError, InvalidOptionError, LmdbCacheWarning
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -217,7 +217,7 @@ def test_buffers_are_reused_when_batches_are_dropped(cache_dir, monkeypatch):
     ds = warm(CachedDataset(Synthetic(64), cache_dir))
     made = []
     allocate = gather.Layout.allocate
-    monkeypatch.setattr(gather.Layout, "allocate", lambda self, rows: made.append(rows) or allocate(self, rows))
+    monkeypatch.setattr(gather.Layout, "allocate", lambda self, *a: made.append(a) or allocate(self, *a))
     loader = ds.loader(4, shuffle=True, prefetch=2)
     for _ in range(3):
         for batch in loader:
@@ -381,3 +381,138 @@ def test_sample_values_come_through_unchanged(cache_dir):
     (images, labels), *_ = list(ds.loader(12))
     assert labels.tolist() == list(range(12))
     assert torch.equal(images, torch.stack([sample_for(i)[0] for i in range(12)]))
+
+
+class FakeEvent:
+    """A device event that completes ``delay`` seconds after it is recorded (a host-to-device copy in flight)."""
+
+    def __init__(self, delay: float) -> None:
+        self.done = threading.Event()
+        self.timer = threading.Timer(delay, self.done.set)
+        self.timer.start()
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+
+def test_a_slot_is_reused_only_after_its_device_event(cache_dir, monkeypatch):
+    """With record_event, a slot whose batch the consumer dropped waits for its event; nothing is allocated instead."""
+    import lmdbcache._gather as gather
+
+    ds = warm(CachedDataset(Synthetic(64), cache_dir))
+    events: list[FakeEvent] = []
+    made, waited = [], []
+    allocate = gather.Layout.allocate
+    monkeypatch.setattr(gather.Layout, "allocate", lambda self, *a: made.append(a) or allocate(self, *a))
+    acquire = loader_module._Ring.acquire
+
+    def checked(ring, layout, rows):
+        pending = {id(b): b.event for b in ring.buffers if b.event is not None and not b.event.query()}
+        buffers = acquire(ring, layout, rows)
+        if id(buffers) in pending:
+            assert pending[id(buffers)].query(), "a slot was reused before its device copy finished"
+            waited.append(buffers)
+        return buffers
+
+    monkeypatch.setattr(loader_module._Ring, "acquire", checked)
+    loader = ds.loader(4, shuffle=True, prefetch=1, record_event=lambda: events.append(FakeEvent(0.02)) or events[-1])
+    for _ in range(2):
+        for batch in loader:
+            batch[0].add_(0)
+    loader.close()
+    assert len(events) == 32 and waited and len(made) <= 4
+    for event in events:
+        event.timer.join()
+
+
+def test_pin_memory_without_cuda_warns_and_is_ignored(cache_dir):
+    """Like DataLoader: pin_memory=True without CUDA warns, and batches are the usual (unpinned) ones."""
+    ds = warm(CachedDataset(Synthetic(20), cache_dir))
+    assert not torch.cuda.is_available()
+    with pytest.warns(LmdbCacheWarning, match="pin_memory"):
+        loader = ds.loader(8, pin_memory=True)
+    same(list(loader), reference(ds, 8))
+    assert loader.record_event is None
+    loader.close()
+
+
+def random_transform(sample):
+    """A random augmentation drawing from the three global generators."""
+    import random
+
+    import numpy as np
+
+    image, label = sample
+    noise = torch.randint(0, 5, image.shape, dtype=torch.uint8)
+    return image + noise, label * 1000 + random.randrange(1000), float(np.random.rand())
+
+
+def test_random_transforms_do_not_depend_on_threads(cache_dir):
+    """Random transforms are seeded per (seed, epoch, index): 1 and 3 threads give equal batches; epochs differ."""
+    warm(CachedDataset(Synthetic(40), cache_dir)).close()
+    ds = CachedDataset.open(cache_dir, transform=random_transform)
+    state = torch.get_rng_state()
+    runs = []
+    for threads in (1, 3, 3):
+        loader = ds.loader(8, shuffle=True, seed=4, num_threads=threads)
+        runs.append([list(loader), list(loader)])  # epochs 0 and 1
+        loader.close()
+    same(runs[0], runs[1])
+    same(runs[0], runs[2])
+    assert not torch.equal(runs[0][0][0][0], runs[0][1][0][0]) or runs[0][0][0][1].tolist() != runs[0][1][0][1].tolist()
+    labels = torch.cat([b[1] for b in runs[0][1]]) // 1000
+    assert sorted(labels.tolist()) == list(range(40))
+    assert torch.equal(torch.get_rng_state(), state)  # the consumer's generator state is restored
+
+
+def test_sampler_and_batch_sampler_as_in_dataloader(cache_dir):
+    """sampler= and batch_sampler= give DataLoader's batches; set_epoch is called on samplers that have one."""
+    from torch.utils.data import BatchSampler
+
+    ds = warm(CachedDataset(Synthetic(30), cache_dir))
+    order = [7, 3, 29, 0, 11, 5, 6, 13, 2]
+    loader = ds.loader(4, sampler=order)
+    same(list(loader), list(DataLoader(ds, 4, sampler=order)))
+    assert len(loader) == 3
+    groups = [[1, 2, 3], list(range(4, 14)), [20], [0, 29]]
+    loader = ds.loader(None, batch_sampler=groups)
+    same(list(loader), list(DataLoader(ds, batch_sampler=groups)))
+    assert len(loader) == 4
+    dist = DistributedSampler(range(30), num_replicas=2, rank=1, shuffle=True, seed=9)  # type: ignore[arg-type]
+    loader = ds.loader(None, batch_sampler=BatchSampler(dist, 5, drop_last=False))
+    loader.set_epoch(3)
+    got = torch.cat([b[1] for b in loader]).tolist()
+    dist.set_epoch(3)
+    assert got == list(dist)
+    with pytest.raises(InvalidOptionError, match="mutually exclusive"):
+        ds.loader(4, sampler=order, shuffle=True)
+    with pytest.raises(InvalidOptionError, match="mutually exclusive"):
+        ds.loader(4, batch_sampler=groups)
+
+
+def memory_now():
+    """(PSS, anonymous PSS) of this process, in bytes."""
+    fields = {}
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in ("Pss", "Pss_Anon"):
+                fields[name] = int(rest.split()[0]) * 1024
+    return fields["Pss"], fields["Pss_Anon"]
+
+
+def test_memory_does_not_grow_from_epoch_to_epoch(cache_dir):
+    """PSS after epoch 4 is within a generous bound of PSS after epoch 2: batches are reused or freed, not leaked."""
+    image = torch.zeros(3, 128, 128, dtype=torch.uint8)
+    ds = warm(CachedDataset(Listed([(image + (i % 200), i) for i in range(256)]), cache_dir, map_size=64 << 20))
+    batch_bytes = 32 * image.numel()
+    loader = ds.loader(32, shuffle=True, prefetch=2)
+    seen = {}
+    for epoch in range(1, 5):
+        for batch in loader:
+            batch[0].add_(0)
+        seen[epoch] = memory_now()
+    loader.close()
+    epoch_bytes = 8 * batch_bytes  # a leak of every batch would add this per epoch
+    assert seen[4][0] - seen[2][0] < epoch_bytes, seen
+    assert seen[4][1] - seen[2][1] < epoch_bytes, seen

@@ -1,0 +1,119 @@
+"""``collate``: default_collate for ``DataLoader(CachedDataset)`` that takes batches built in the worker.
+
+    from lmdbcache._collate import collate   # lmdbcache.collate once the package exports it
+    DataLoader(ds, 64, num_workers=2, collate_fn=collate)
+
+With ``collate`` as the DataLoader's ``collate_fn``, ``CachedDataset.__getitems__`` (called
+by the worker's fetcher just before ``collate_fn``) copies a batch of flat samples straight
+from the map into one tensor per field, allocated in shared memory (``_gather``: one copy
+per sample, no per-sample tensor), so the worker sends the main process a handle, not
+bytes. It returns that batch marked as a ``Collated``; ``collate`` passes it through as
+``default_collate``'s output (a list, one tensor per item of the tuple samples). Anything
+else (misses, non-flat samples, mixed signatures, a per-sample ``transform``, another
+dataset) is a list of samples, handed to ``default_collate``.
+
+Why opt in through the fetcher's ``collate_fn`` rather than always building the batch:
+a plain ``DataLoader(ds)`` must get exactly today's samples (independent tensors, its own
+collate function, which may not be default_collate), and a batch built for nothing would
+cost a copy and a shared-memory segment. ``__getitems__`` therefore builds the batch only
+when its caller (torch's ``_MapDatasetFetcher.fetch``) holds a ``collate_fn`` carrying
+``lmdbcache_batched = True`` (``collate`` does; a wrapper of it may set it too, and must
+then handle a ``Collated``). Should torch's fetcher change shape, the check finds nothing
+and every batch takes the default_collate path: slower, never different.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import get_worker_info
+from torch.utils.data._utils.collate import default_collate
+
+from ._gather import Buffers, Layout, layout_of
+from .store import MISSING
+
+if TYPE_CHECKING:
+    from .store import Store
+
+__all__ = ["Collated", "collate", "gather_shared", "wants_batch"]
+
+
+class Collated(list):  # type: ignore[type-arg]
+    """A batch already collated by ``CachedDataset.__getitems__``: default_collate's list of field tensors.
+
+    Every field is a view of one shared-memory segment. Pickled (a worker sending it to the
+    main process), it travels as that one segment plus each field's dtype, shape, stride and
+    offset, and is rebuilt as a plain list: one file descriptor per batch, where torch's
+    pickler sends one per tensor (each is a connection to the worker's resource sharer).
+    """
+
+    __slots__ = ("fields", "segment")
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        super().__init__(tensors)
+        storage = tensors[0].untyped_storage()
+        base = storage.data_ptr()
+        self.segment: torch.Tensor | None = None
+        self.fields = [(t.dtype, tuple(t.shape), t.stride(), t.storage_offset()) for t in tensors]
+        if all(t.untyped_storage().data_ptr() == base for t in tensors):
+            self.segment = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))  # type: ignore[call-overload]
+
+    def __reduce__(self) -> Any:
+        if self.segment is None:
+            return (list, (list(self),))
+        return (_rebuild, (self.segment, self.fields))
+
+
+def _rebuild(
+    segment: torch.Tensor, fields: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]]
+) -> list[Any]:
+    """The plain list of field tensors a ``Collated`` stood for, as views of its unpickled segment."""
+    storage = segment.untyped_storage()
+    return [torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride) for dtype, shape, stride, offset in fields]
+
+
+def collate(batch: Any) -> Any:
+    """Drop-in ``collate_fn``: a ``Collated`` batch as it is, anything else through ``default_collate``.
+
+    In a DataLoader worker the ``Collated`` itself is returned (it pickles compactly and
+    arrives as a plain list); in the main process (``num_workers=0``) a plain list.
+    """
+    if type(batch) is Collated:
+        return batch if get_worker_info() is not None else list(batch)
+    return default_collate(batch)  # type: ignore[no-untyped-call]
+
+
+collate.lmdbcache_batched = True  # type: ignore[attr-defined]  # read by wants_batch
+
+
+def wants_batch() -> bool:
+    """True when the caller of ``__getitems__`` is a DataLoader fetcher whose collate_fn takes a ``Collated``."""
+    try:
+        fetcher = sys._getframe(2).f_locals.get("self")  # 0: here, 1: __getitems__, 2: the fetcher's fetch
+    except ValueError:
+        return False
+    return bool(getattr(getattr(fetcher, "collate_fn", None), "lmdbcache_batched", False))
+
+
+# One per process: the batch form of each flat signature met (a worker meets few).
+_layouts: dict[bytes, Layout] = {}
+
+
+def gather_shared(store: Store, indices: list[int], always: bool, build: str | None) -> Collated | None:
+    """The batch of ``indices`` copied from the map into shared memory, or None (a miss, or not flat alike)."""
+    if not indices:
+        return None
+
+    def copy(views: list[Any], checks: list[bool]) -> Any:
+        layout = layout_of(views[0], indices[0], _layouts)
+        if layout is None:
+            return None
+        buffers = Buffers(layout, len(views), "shared")
+        if not buffers.fill(views, checks, indices, 0, len(views)):
+            return None
+        return buffers.batch(len(views))
+
+    batch = store.read_batch(indices, always, build, copy)
+    return None if batch is MISSING or batch is None else Collated(batch)

@@ -1,0 +1,159 @@
+"""lmdbcache collate: DataLoader batches built in the worker's shared memory equal default_collate's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import Listed, Synthetic
+from test_loader import KINDS, flat_mixed, same, warm
+from torch.utils.data import DataLoader
+from torch.utils.data._utils.collate import default_collate
+
+import lmdbcache._collate as collate_module
+from lmdbcache import CachedDataset
+from lmdbcache._collate import Collated, collate
+
+pytestmark = pytest.mark.timeout(120)
+
+FLAT = ["flat image+label", "flat floats, bools, int16", "scalars first", "bfloat16"]
+
+
+def batches(ds, collate_fn, workers=2, context="fork", shuffle=True, seed=0, **kwargs):
+    g = torch.Generator().manual_seed(seed)
+    extra = {"multiprocessing_context": context} if workers else {}
+    return list(
+        DataLoader(ds, 16, shuffle=shuffle, generator=g, num_workers=workers, collate_fn=collate_fn, **kwargs, **extra)
+    )
+
+
+def count_built(monkeypatch):
+    """Count the batches __getitems__ builds itself (in this process: num_workers=0)."""
+    built = []
+    gather = collate_module.gather_shared
+
+    def counting(*args):
+        batch = gather(*args)
+        built.append(batch is not None)
+        return batch
+
+    import lmdbcache.dataset as dataset_module
+
+    monkeypatch.setattr(dataset_module, "_batched", counting)
+    return built
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_batches_equal_default_collate(cache_dir, kind, context):
+    """DataLoader(2 workers, collate_fn=collate) yields default_collate's batches (flat, non-flat, partial last)."""
+    ds = warm(CachedDataset(KINDS[kind](), cache_dir))
+    got = batches(ds, collate, context=context)
+    want = batches(ds, default_collate, workers=0)
+    assert len(got) == 4 and len(got[-1][0] if isinstance(got[-1], list) else got[-1]["x"]) == 2
+    same(got, want)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_flat_batches_are_built_by_getitems_in_shared_memory(cache_dir, kind, monkeypatch):
+    """Flat samples come from __getitems__ already collated, in shared memory; others go through default_collate."""
+    ds = warm(CachedDataset(KINDS[kind](), cache_dir))
+    built = count_built(monkeypatch)
+    got = batches(ds, collate, workers=0, drop_last=True)
+    same(got, batches(ds, default_collate, workers=0, drop_last=True))
+    assert all(built) == (kind in FLAT) and len(built) == 3
+    if kind in FLAT:
+        assert all(t.is_shared() for t in got[0])
+
+
+def test_plain_dataloader_is_unchanged(cache_dir, monkeypatch):
+    """Without collate, __getitems__ returns the samples as before (never a prebuilt batch), for any collate_fn."""
+    ds = warm(CachedDataset(Synthetic(40), cache_dir))
+    built = count_built(monkeypatch)
+    seen = []
+
+    def mine(samples):
+        seen.append(samples)
+        return default_collate(samples)
+
+    got = batches(ds, mine, workers=0)
+    same(got, batches(ds, None, workers=0))
+    assert not built
+    assert all(type(s) is list and type(s[0]) is tuple and isinstance(s[0][0], torch.Tensor) for s in seen)
+    assert not any(s[0][0].is_shared() for s in seen)
+    assert type(ds.__getitems__([1, 2])) is list
+
+
+def test_misses_filled_through_it_equal_later_hits(cache_dir):
+    """A cold cache read through DataLoader+collate is filled; its batches equal those read back warm."""
+    ds = CachedDataset(Listed([flat_mixed(i) for i in range(40)]), cache_dir)
+    cold = batches(ds, collate, workers=2)
+    assert ds.is_complete
+    ds.close()
+    warm_ds = CachedDataset.open(cache_dir)
+    hot = batches(warm_ds, collate, workers=2)
+    same(cold, hot)
+    same(hot, batches(warm_ds, default_collate, workers=0))
+
+
+def test_a_per_sample_transform_takes_the_default_path(cache_dir):
+    """With a transform, batches are collated from transformed samples, as default_collate would."""
+    warm(CachedDataset(Synthetic(20), cache_dir)).close()
+    ds = CachedDataset.open(cache_dir, transform=lambda s: (s[0].float() / 2, s[1] + 1))
+    same(batches(ds, collate, workers=0), batches(ds, default_collate, workers=0))
+
+
+def test_collated_is_default_collate_output():
+    """collate passes a Collated through as a plain list and hands anything else to default_collate."""
+    fields = [torch.zeros(2, 3), torch.tensor([1, 2])]
+    out = collate(Collated(fields))
+    assert type(out) is list and out[0] is fields[0]
+    same(collate([(torch.ones(2), 1), (torch.ones(2), 2)]), default_collate([(torch.ones(2), 1), (torch.ones(2), 2)]))
+
+
+def test_workers_build_the_batches(cache_dir, tmp_path, monkeypatch):
+    """In forked DataLoader workers, every batch of flat samples is built by __getitems__ (logged by the workers)."""
+    import os
+
+    import lmdbcache.dataset as dataset_module
+
+    ds = warm(CachedDataset(Synthetic(40), cache_dir))
+    log = tmp_path / "built"
+    gather = collate_module.gather_shared
+
+    def logging(*args):
+        batch = gather(*args)
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {batch is not None}\n")
+        return batch
+
+    monkeypatch.setattr(dataset_module, "_batched", logging)
+    same(batches(ds, collate, workers=2, context="fork"), batches(ds, default_collate, workers=0))
+    lines = log.read_text().split("\n")[:-1]
+    assert len(lines) == 3 and all(line.endswith("True") for line in lines)
+    assert str(os.getpid()) not in {line.split()[0] for line in lines}
+
+
+def test_a_collated_batch_pickles_as_one_segment(cache_dir, monkeypatch):
+    """A Collated batch travels as one shared segment (one handle) and arrives as a plain list of equal views."""
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  # registers torch's reductions
+
+    ds = warm(CachedDataset(KINDS["flat floats, bools, int16"](), cache_dir))
+    monkeypatch.setattr(collate_module, "get_worker_info", lambda: object())  # as in a worker
+    built = []
+
+    def keep(batch):
+        built.append(collate(batch))
+        return batch
+
+    keep.lmdbcache_batched = True
+    for _ in DataLoader(ds, 16, collate_fn=keep):
+        pass
+    assert all(type(b) is Collated and b.segment is not None for b in built)
+    sent = ForkingPickler.dumps(built[-1])
+    assert bytes(sent).count(b"DupFd") == 1
+    got = pickle.loads(sent)
+    assert type(got) is list and len({t.untyped_storage().data_ptr() for t in got}) == 1
+    same(got, list(built[-1]))
