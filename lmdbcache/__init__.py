@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ._precompute import PrecomputeResult, precompute
 from ._version import FORMAT_VERSION, __version__
 from .dataset import CachedDataset, default_fingerprint
 from .errors import (
@@ -21,7 +22,6 @@ from .errors import (
     SpecError,
     UnsupportedSampleError,
 )
-from .precompute import PrecomputeResult, precompute
 
 __all__ = [
     "FORMAT_VERSION",

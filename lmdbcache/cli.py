@@ -236,13 +236,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _bar(total: int | None, unit: str, quiet: bool, **kwargs: Any) -> Any:
-    from .precompute import progress_bar
+    from ._progress import progress_bar
 
     return progress_bar(total, unit, quiet, **kwargs)
 
 
 def _precompute(args: argparse.Namespace) -> int:
-    from .precompute import precompute
+    from ._precompute import precompute
 
     dataset = load_spec(args.spec, _parse_args_kv(args.arg))
     result = precompute(

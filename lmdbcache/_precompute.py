@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,6 +22,7 @@ from . import _registry
 from . import store as _store
 from ._commit import Policy
 from ._options import check_options, parse_size
+from ._progress import progress_bar
 from .codec import encode
 from .dataset import _dataset_length, default_fingerprint
 from .errors import InvalidOptionError, LmdbCacheError, NondeterministicDatasetError, SourceItemError
@@ -198,25 +198,6 @@ def _check_precompute_options(num_workers: int | None, batch_size: int, check_de
             f"num_workers must be an integer >= 0 (0 decodes in this process), or None for the CPU count, not "
             f"{num_workers!r}."
         )
-
-
-def progress_bar(total: int | None, unit: str, quiet: bool, **kwargs: Any) -> Any:
-    """A tqdm bar on stderr (shown on a terminal only), with a fixed width where the terminal reports 0 columns.
-
-    tqdm takes a 0-column, 0-line report literally (a pty started by ``script -q -c`` gives
-    one) and prints nothing at all.
-    """
-    from tqdm import tqdm
-
-    tqdm.monitor_interval = 0  # no monitor thread: DataLoader workers may be forked after this
-    try:
-        size = os.get_terminal_size(sys.stderr.fileno())
-    except (OSError, ValueError, AttributeError):
-        size = None  # not a terminal: tqdm decides (it shows nothing)
-    # A 0-column or 0-line report: tqdm hides the bar entirely; use a fixed 80x24 instead.
-    fixed = size is not None and (size.columns == 0 or size.lines == 0)
-    width: dict[str, Any] = {"ncols": 80, "nrows": 24} if fixed else {"dynamic_ncols": True}
-    return tqdm(total=total, unit=unit, disable=True if quiet else None, **width, **kwargs)
 
 
 def _not_cached(store: _store.Store, indices: range, length: int) -> list[int]:
