@@ -724,3 +724,38 @@ def test_progress_bar_shows_on_a_zero_column_terminal_and_agrees_with_the_summar
     lines = [line for line in out.stdout.replace("\r", "\n").splitlines() if line.strip()]
     assert any("300/300" in line and "sample" in line for line in lines), lines[-5:]
     assert "Wrote 300 samples" in lines[-1]
+
+
+# ---------------------------------------------------------------------- start-up cost
+
+# `python -m lmdbcache ARGS` run as the command runs it (runpy), then: was torch imported?
+NO_TORCH = """
+import runpy, sys
+sys.argv = ["lmdbcache", *sys.argv[1:]]
+try:
+    runpy.run_module("lmdbcache", run_name="__main__", alter_sys=True)
+except SystemExit as exc:
+    code = exc.code
+print("torch imported" if "torch" in sys.modules else "torch not imported", code)
+"""
+
+
+def imports_torch(*args: str) -> str:
+    """Run ``lmdbcache ARGS`` in a fresh interpreter; return its last line: whether torch was imported, the exit."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", NO_TORCH, *args], env=env, capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().splitlines()[-1]
+
+
+def test_version_does_not_import_torch():
+    """`lmdbcache --version` does not import torch (it took 2.7 s to print the version)."""
+    assert imports_torch("--version") == "torch not imported 0"
+
+
+@pytest.mark.xfail(strict=True, reason="codec imports torch until the codec split lands")
+def test_info_does_not_import_torch(cache_dir):
+    """`lmdbcache info` on a cache does not import torch: commands on an existing cache start fast."""
+    precompute(Synthetic(10), cache_dir, num_workers=0, progress=False)
+    assert imports_torch("info", str(cache_dir)) == "torch not imported 0"
