@@ -263,20 +263,22 @@ def _precompute(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from .tools import info
 
     data = info(args.path)
     if args.json:
-        print(json.dumps(data, indent=2))
+        print(json.dumps(dataclasses.asdict(data), indent=2))
         return 0
-    state = "complete" if data["complete"] else "incomplete"
-    print(f"path         {data['path']}")
-    print(f"length       {data['length']}")
-    print(f"cached       {data['cached']} ({data['percent']:.1f}%, {state})")
-    print(f"fingerprint  {data['fingerprint']}")
-    print(f"format       {data['format_version']} (written by lmdbcache {data['library_version']})")
-    print(f"size         {data['size_bytes'] / 2**20:,.1f} MB on disk, map {data['map_size'] / 2**20:,.0f} MB")
-    print(f"created      {data['created']}")
+    state = "complete" if data.complete else "incomplete"
+    print(f"path         {data.path}")
+    print(f"length       {data.length}")
+    print(f"cached       {data.cached} ({data.percent:.1f}%, {state})")
+    print(f"fingerprint  {data.fingerprint}")
+    print(f"format       {data.format_version} (written by lmdbcache {data.library_version})")
+    print(f"size         {data.size_bytes / 2**20:,.1f} MB on disk, map {data.map_size / 2**20:,.0f} MB")
+    print(f"created      {data.created}")
     return 0
 
 
@@ -367,9 +369,9 @@ def _mem_available() -> int | None:
 
 
 def _copy(args: argparse.Namespace) -> int:
-    from .tools import copy
+    from .tools import copy_cache
 
-    result = copy(args.src, args.dst, overwrite=args.overwrite)
+    result = copy_cache(args.src, args.dst, overwrite=args.overwrite)
     if result.action == "unchanged":
         print(f"'{args.dst}' already holds the complete cache ({result.cached}/{result.length}): nothing to do.")
     else:
