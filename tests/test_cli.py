@@ -28,7 +28,7 @@ from lmdbcache import (
     tools,
 )
 from lmdbcache._scan import TEST_SIGNAL
-from lmdbcache.cli import load_spec
+from lmdbcache._spec import load_spec, parse_args_kv
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
@@ -384,9 +384,7 @@ def test_load_spec_parses_json_arguments():
     """--arg values are JSON where they parse, strings otherwise."""
     ds = load_spec("helpers:Synthetic", {"n": 5, "delay": 0.0})
     assert len(ds) == 5
-    from lmdbcache.cli import _parse_args_kv
-
-    assert _parse_args_kv(["a=1", "b=[1, 2]", "c=hello", "d=", 'e="x"', "f=true"]) == {
+    assert parse_args_kv(["a=1", "b=[1, 2]", "c=hello", "d=", 'e="x"', "f=true"]) == {
         "a": 1, "b": [1, 2], "c": "hello", "d": "", "e": "x", "f": True,
     }  # fmt: skip
 
