@@ -240,6 +240,44 @@ def test_ctrl_c_keeps_what_was_decoded_and_resumes(cache_dir):
     check_cache(cache_dir, n)
 
 
+# Where the Ctrl-C lands: the precompute arguments after SPEC PATH, and what to wait for before it.
+CTRL_C_PHASES = {
+    # The parent decodes 3 indices twice at 0.3 s each: signalled 0.3 s after the cache is created.
+    "determinism check": ("helpers:Synthetic", ["--arg", "n=100", "--arg", "delay=0.3"], "created", 0.3),
+    # No check: the workers are being started (or send their first batch) when the cache appears.
+    "starting workers": ("helpers:Huge", ["--arg", "n=3000", "--arg", "nbytes=150528", "--check-determinism", "0"],
+                         "created", 0.0),
+    # 150 KB samples fill the workers' result pipes: a worker interrupted mid-batch blocked on its
+    # full pipe and the DataLoader waited 5 s for each before killing it (11 s with 2 workers).
+    "decoding": ("helpers:Huge", ["--arg", "n=3000", "--arg", "nbytes=150528"], "200 samples", 0.0),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("phase", list(CTRL_C_PHASES))
+def test_ctrl_c_exits_promptly_whatever_the_phase(cache_dir, phase):
+    """A terminal's Ctrl-C (SIGINT to the whole process group) ends precompute within a second or so in every
+    phase (bound: 3 s), with the summary; its time covers the work, not the shutdown."""
+    spec, args, wait, delay = CTRL_C_PHASES[phase]
+    started = time.monotonic()
+    with cli("precompute", spec, str(cache_dir), *args, "--workers", "2", "--quiet", wait=False,
+             start_new_session=True) as proc:  # fmt: skip
+        if wait == "created":
+            while not (cache_dir / "data.mdb").exists() and proc.poll() is None:
+                time.sleep(0.005)
+        else:
+            wait_for_count(cache_dir, 200)
+        time.sleep(delay)
+        signalled = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - signalled
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert took < 3.0, f"exited {took:.1f} s after Ctrl-C"
+    summary = re.fullmatch(r"Interrupted: kept (\d+) samples, .* in ([\d.]+) s .*", out.strip())
+    assert summary is not None, out
+    assert float(summary.group(2)) < signalled - started + 1.0  # the last commit counts; the shutdown does not
+
+
 def test_item_error_names_the_index_and_keeps_the_rest(cache_dir):
     """A dataset item that raises stops precompute with exit 1 naming index and exception; the cache stays sound."""
     line = one_line_error(
