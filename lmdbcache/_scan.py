@@ -50,7 +50,7 @@ __all__ = ["TEST_SIGNAL", "decode_problem", "main"]
 
 _LAST_INDEX = 2**64 - 1  # the largest 8-byte key: nothing comes after it
 # Tests only: "SIGSEGV@7" makes the child send itself SIGSEGV when it is about to read index 7,
-# to prove the parent's handling of a reader that dies (tests/test_cli.py).
+# to prove the parent's handling of a reader that dies (tests/test_tools.py).
 TEST_SIGNAL = "LMDBCACHE_TEST_SCAN_SIGNAL"
 
 
