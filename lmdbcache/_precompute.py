@@ -44,6 +44,11 @@ _COMMIT_INTERVAL = 1.0
 __all__ = ["NondeterministicDatasetError", "PrecomputeResult", "SourceItemError", "precompute", "shard_indices"]
 
 
+# What a worker sends for one index: (index, encoded sample, None) or (index, None, why it failed).
+_Item = tuple[int, bytes | None, str | None]
+_Batch = list[_Item]
+
+
 @dataclasses.dataclass
 class PrecomputeResult:
     """What one precompute run did (also the closing summary line)."""
@@ -310,25 +315,24 @@ def _write_all(run: _Run, dataset: Any, todo: list[int], workers: int, batch_siz
         worker_init_fn=_ignore_interrupts if workers else None,
     )
     bar = progress_bar(len(todo) + run.written, "sample", progress is False, initial=run.written, smoothing=0.1)
+    batches: Iterator[_Batch] | None = None
     try:
         with _interrupts_held():  # an interrupted start would leave workers that nothing shuts down
             batches = iter(loader)
-        try:
-            _queue_all(run, batches, bar)
-        except KeyboardInterrupt:
-            run.final_commit()  # before the workers go: what they handed over is kept
-            raise
-        finally:
-            if stop is not None:
-                stop.set()  # workers skip the rest of their batch
-            shutdown = getattr(batches, "_shutdown_workers", None)  # the DataLoader's own clean shutdown
-            if shutdown is not None:
-                shutdown()
+        _queue_all(run, batches, bar)
+    except KeyboardInterrupt:
+        run.final_commit()  # before the workers go: what they handed over is kept
+        raise
     finally:
         bar.close()
+        if stop is not None:
+            stop.set()  # workers skip the rest of their batch
+        shutdown = getattr(batches, "_shutdown_workers", None)  # the DataLoader's own clean shutdown
+        if shutdown is not None:
+            shutdown()
 
 
-def _queue_all(run: _Run, batches: Iterable[list[tuple[int, bytes | None, str | None]]], bar: Any) -> None:
+def _queue_all(run: _Run, batches: Iterable[_Batch], bar: Any) -> None:
     """Queue every encoded sample the workers send; the last commit ends the work."""
     add = functools.partial(run.store.add, build=run.build, policy=run.policy)
     for batch in batches:
@@ -344,7 +348,7 @@ def _queue_all(run: _Run, batches: Iterable[list[tuple[int, bytes | None, str | 
     run.commit()
 
 
-class _Encoded(Dataset[tuple[int, bytes | None, str | None]]):
+class _Encoded(Dataset[_Item]):
     """Decodes and encodes in the workers, so the writer only copies bytes into LMDB."""
 
     def __init__(
@@ -355,7 +359,7 @@ class _Encoded(Dataset[tuple[int, bytes | None, str | None]]):
     def __len__(self) -> int:
         return len(self.indices)
 
-    def __getitem__(self, k: int) -> tuple[int, bytes | None, str | None]:
+    def __getitem__(self, k: int) -> _Item:
         index = self.indices[k]
         if self.stop is not None and self.stop.is_set():
             return index, None, "skipped: the run has stopped"  # never read: the main process has left
@@ -365,7 +369,7 @@ class _Encoded(Dataset[tuple[int, bytes | None, str | None]]):
             return index, None, f"{type(exc).__name__}: {exc}"
 
 
-def _collate(batch: list[tuple[int, bytes | None, str | None]]) -> list[tuple[int, bytes | None, str | None]]:
+def _collate(batch: _Batch) -> _Batch:
     return batch
 
 
