@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -17,6 +18,20 @@ from test_processes import check_cache, wait_for_count
 
 from lmdbcache import CachedDataset, SampleNotCachedError, _registry, precompute, tools
 from lmdbcache._scan import TEST_SIGNAL
+
+
+def test_info_is_a_frozen_dataclass_and_the_old_spellings_still_work(cache_dir):
+    """info returns a frozen CacheInfo; info(path)["cached"] and tools.copy (lmdbcache 0.1) keep working."""
+    precompute(Synthetic(10), cache_dir, num_workers=0, progress=False)
+    found = tools.info(cache_dir)
+    assert (found.length, found.cached, found.complete, found.fingerprint) == (10, 10, True, "Synthetic:10")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        found.cached = 0
+    assert found["cached"] == 10 and found.get("percent") == 100.0 and found.get("nothing") is None
+    with pytest.raises(KeyError):
+        found["nothing"]
+    assert tools.copy is tools.copy_cache and "copy" not in tools.__all__
+
 
 # ---------------------------------------------------------------------- verify
 
