@@ -1,9 +1,16 @@
-"""lmdbcache: decode each sample once, share it from LMDB's memory map with every process."""
+"""lmdbcache: decode each sample once, share it from LMDB's memory map with every process.
+
+``CachedDataset``, ``default_fingerprint``, ``precompute`` and ``PrecomputeResult`` are imported
+on first use (PEP 562): they need torch, which takes seconds to import, and the CLI's commands
+on an existing cache (``lmdbcache info``, ``--version``) do not.
+"""
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._version import FORMAT_VERSION, __version__
-from .dataset import CachedDataset, default_fingerprint
 from .errors import (
     CacheFullError,
     CacheMismatchError,
@@ -21,7 +28,10 @@ from .errors import (
     SpecError,
     UnsupportedSampleError,
 )
-from .precompute import PrecomputeResult, precompute
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports them
+    from ._precompute import PrecomputeResult, precompute
+    from .dataset import CachedDataset, default_fingerprint
 
 __all__ = [
     "FORMAT_VERSION",
@@ -46,3 +56,26 @@ __all__ = [
     "default_fingerprint",
     "precompute",
 ]
+
+# The names imported on first use, and the module of each.
+_LAZY = {
+    "CachedDataset": ".dataset",
+    "PrecomputeResult": "._precompute",
+    "default_fingerprint": ".dataset",
+    "precompute": "._precompute",
+}
+
+
+if not TYPE_CHECKING:  # hidden from type checkers, which would otherwise accept any name as Any
+
+    def __getattr__(name: str) -> Any:
+        module = _LAZY.get(name)
+        if module is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module, __name__), name)
+        globals()[name] = value  # later lookups find it without coming here
+        return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

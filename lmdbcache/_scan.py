@@ -32,6 +32,7 @@ file: the parent never opens it, and a file whose structure is damaged is never 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -41,14 +42,15 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from . import codec
+from . import _registry, codec
 from .errors import CorruptCacheError, CorruptSampleError, LmdbCacheError
+from .store import Store
 
-__all__ = ["TEST_SIGNAL", "main"]
+__all__ = ["TEST_SIGNAL", "decode_problem", "main"]
 
 _LAST_INDEX = 2**64 - 1  # the largest 8-byte key: nothing comes after it
 # Tests only: "SIGSEGV@7" makes the child send itself SIGSEGV when it is about to read index 7,
-# to prove the parent's handling of a reader that dies (tests/test_cli.py).
+# to prove the parent's handling of a reader that dies (tests/test_tools.py).
 TEST_SIGNAL = "LMDBCACHE_TEST_SCAN_SIGNAL"
 
 
@@ -89,74 +91,85 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _scan(path: str, repair: bool, report: _Report) -> tuple[int, int]:
-    from . import _registry
-    from .tools import _open
-
-    hook = _test_hook()
-    store = _open(path)
-    try:
+    """Check every entry of the cache at ``path`` (and delete the damaged ones with ``repair``): (checked, deleted)."""
+    with _registry.opened(path) as store:
         length = store.meta()["length"]
         try:
             entries, miscount = store.count(), None
         except CorruptCacheError as exc:  # e.g. more entries than the length: the scan says which
             entries, miscount = -1, str(exc)
         report.send("s", str(length), str(entries))
-        bad: list[int] = []
-        checked, seen, after = 0, 0, -1
-        while after < _LAST_INDEX:
-            report.mark(b"k", after)
-            try:
-                # One key at a time, so a crash names where it happened; and from ``after`` itself, not
-                # after + 1: a key that is not an index can sort between two indices.
-                keys = list(itertools.islice(store.iter_keys(max(after, 0), chunk=2), 2))
-            except CorruptCacheError as exc:
-                report.send("u", [after, str(exc)])
-                return checked, 0  # nothing is written to a file whose structure is damaged
-            ahead = [k for k in keys if k != after]
-            if not ahead:
-                break
-            index = ahead[0]
-            if index < after:
-                disorder = (
-                    f"keys out of order (index {index} after {after}): its B-tree is damaged. Copy the cache "
-                    "from a good replica, or rebuild it (`lmdbcache precompute --overwrite`)."
-                )
-                report.send("u", [after, disorder])
-                return checked, 0
-            after, seen = index, seen + 1
-            report.mark(b"r", index)
-            if hook is not None and hook[1] == index:
-                os.kill(os.getpid(), hook[0])
-            why = _check(store, index, length)
-            if why is _GONE:
-                continue
-            checked += 1
-            if why is not None:
-                bad.append(index)
-                report.send("b", [index, why])
-        if miscount is not None and not bad:
+        tally = _read_all(store, length, report)
+        if tally.stopped:
+            return tally.checked, 0  # nothing is written to a file whose structure is damaged
+        if miscount is not None and not tally.bad:
             report.send("u", [None, f"the scan found no damaged entry, yet: {miscount}"])
-            return checked, 0
-        if seen < entries:  # entries are only deleted by repair: some keys were out of the scan's reach
+            return tally.checked, 0
+        if tally.seen < entries:  # entries are only deleted by repair: some keys were out of the scan's reach
             report.send(
                 "u",
                 [
                     None,
-                    f"it held {entries} entries when the scan began but only {seen} have keys that are indices "
-                    "(the others sort before index 0). Copy the cache from a good replica, or rebuild it "
+                    f"it held {entries} entries when the scan began but only {tally.seen} have keys that are "
+                    "indices (the others sort before index 0). Copy the cache from a good replica, or rebuild it "
                     "(`lmdbcache precompute --overwrite`).",
                 ],
             )
-            return checked, 0
-        return checked, _delete(store, bad, report) if repair and bad else 0
-    finally:
-        _registry.release(store)
+            return tally.checked, 0
+        return tally.checked, _delete(store, tally.bad, report) if repair and tally.bad else 0
+
+
+@dataclasses.dataclass
+class _Tally:
+    checked: int = 0  # values read and decoded
+    seen: int = 0  # keys that are indices
+    bad: list[int] = dataclasses.field(default_factory=list)
+    stopped: bool = False  # damage the scan cannot read past stopped it (reported)
+
+
+def _read_all(store: Store, length: int, report: _Report) -> _Tally:
+    """Read every key, then its value, in index order, reporting each step before it is taken."""
+    hook = _test_hook()
+    tally, after = _Tally(), -1
+    while after < _LAST_INDEX:
+        report.mark(b"k", after)
+        try:
+            # One key at a time, so a crash names where it happened; and from ``after`` itself, not
+            # after + 1: a key that is not an index can sort between two indices.
+            keys = list(itertools.islice(store.iter_keys(max(after, 0), chunk=2), 2))
+        except CorruptCacheError as exc:
+            report.send("u", [after, str(exc)])
+            tally.stopped = True
+            return tally
+        ahead = [k for k in keys if k != after]
+        if not ahead:
+            return tally
+        index = ahead[0]
+        if index < after:
+            disorder = (
+                f"keys out of order (index {index} after {after}): its B-tree is damaged. Copy the cache "
+                "from a good replica, or rebuild it (`lmdbcache precompute --overwrite`)."
+            )
+            report.send("u", [after, disorder])
+            tally.stopped = True
+            return tally
+        after, tally.seen = index, tally.seen + 1
+        report.mark(b"r", index)
+        if hook is not None and hook[1] == index:
+            os.kill(os.getpid(), hook[0])
+        why = _check(store, index, length)
+        if why is not _GONE:
+            tally.checked += 1
+            if why is not None:
+                tally.bad.append(index)
+                report.send("b", [index, why])
+    return tally
 
 
 _GONE = "deleted since its key was read (by another process): not checked"
 
 
-def _check(store: Any, index: int, length: int) -> str | None:
+def _check(store: Store, index: int, length: int) -> str | None:
     """Why the entry of ``index`` is damaged, None if it decodes (checksums bound to its index), or _GONE."""
     try:
         found = next(iter(store.iter_raw(index, chunk=1)), None)
@@ -166,8 +179,13 @@ def _check(store: Any, index: int, length: int) -> str | None:
         return _GONE
     if index >= length:
         return f"index {index} is outside the dataset (length {length})"
+    return decode_problem(found[1], index)
+
+
+def decode_problem(value: bytes, index: int) -> str | None:
+    """Why ``value`` is not a sound value of ``index`` (checksums bound to the index), or None if it decodes."""
     try:
-        codec.decode(found[1], index)
+        codec.decode(value, index)
     except CorruptSampleError as exc:
         return str(exc)
     except Exception as exc:  # the codec must not raise anything else on damaged bytes; report it anyway
@@ -175,7 +193,7 @@ def _check(store: Any, index: int, length: int) -> str | None:
     return None
 
 
-def _delete(store: Any, bad: list[int], report: _Report) -> int:
+def _delete(store: Store, bad: list[int], report: _Report) -> int:
     """Delete the damaged entries: all in one transaction, else one by one (some may not be deletable)."""
     report.send("d", bad)
     try:

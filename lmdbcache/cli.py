@@ -7,16 +7,20 @@ and return 1 (2 for bad arguments, 130 after Ctrl-C).
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
+import contextlib
+import gc
 import json
 import os
+import signal
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
-from .errors import LmdbCacheError, SpecError
+from .errors import LmdbCacheError
+
+if TYPE_CHECKING:  # imported by the commands that need them (some import torch)
+    from ._verify import VerifyResult
 
 # Printed as written (RawDescriptionHelpFormatter does not %-format an epilog): a plain "%",
 # where help= strings need "%%".
@@ -59,63 +63,6 @@ reopen it; what they add to it meanwhile is lost.""",
 }
 
 
-def load_spec(spec: str, kwargs: dict[str, Any]) -> Any:
-    """Import ``module:callable`` or ``file.py:callable`` and call it with ``kwargs``."""
-    target, sep, name = spec.rpartition(":")
-    if not sep or not target or not name:
-        raise SpecError(f"SPEC '{spec}' must be package.module:callable or path/to/file.py:callable.")
-    try:
-        if target.endswith(".py") or os.sep in target:
-            path = os.path.abspath(target)
-            if not os.path.isfile(path):
-                raise SpecError(f"SPEC file '{target}' does not exist.")
-            # Importable by its stem from its directory, so spawn workers can unpickle what it defines.
-            sys.path.insert(0, os.path.dirname(path))
-            module_name = os.path.splitext(os.path.basename(path))[0]
-            module_spec = importlib.util.spec_from_file_location(module_name, path)
-            assert module_spec is not None and module_spec.loader is not None
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[module_name] = module
-            module_spec.loader.exec_module(module)
-        else:
-            if os.getcwd() not in sys.path:
-                sys.path.insert(0, os.getcwd())
-            module = importlib.import_module(target)
-    except SpecError:
-        raise
-    except Exception as exc:
-        raise SpecError(f"Cannot import '{target}' from SPEC '{spec}': {type(exc).__name__}: {exc}") from exc
-    factory: Any = module
-    for part in name.split("."):
-        if not hasattr(factory, part):
-            raise SpecError(f"'{target}' has no attribute '{name}' (SPEC '{spec}').")
-        factory = getattr(factory, part)
-    if not callable(factory):
-        raise SpecError(f"'{spec}' is a {type(factory).__name__}, not a callable that returns a dataset.")
-    try:
-        dataset = factory(**kwargs)
-    except Exception as exc:
-        raise SpecError(f"Calling '{spec}' with {kwargs} failed: {type(exc).__name__}: {exc}") from exc
-    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        raise SpecError(
-            f"'{spec}' returned a {type(dataset).__name__}, not a map-style dataset (__len__ and __getitem__)."
-        )
-    return dataset
-
-
-def _parse_args_kv(items: Sequence[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SpecError(f"--arg '{item}' must look like key=value.")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
-
-
 def _parse_shard(text: str) -> tuple[int, int]:
     index, sep, count = text.partition("/")
     try:
@@ -156,16 +103,41 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"lmdbcache {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, help: str) -> argparse.ArgumentParser:
-        return sub.add_parser(
+    def command(name: str, help: str, *paths: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(
             name,
             help=help,
             description=help,
             epilog=EXAMPLES[name],
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
+        for metavar in paths:
+            p.add_argument(metavar.lower(), metavar=metavar)
+        return p
 
-    p = command("precompute", "Decode a whole dataset (or one shard) into a cache, in parallel; resumable.")
+    precompute = command("precompute", "Decode a whole dataset (or one shard) into a cache, in parallel; resumable.")
+    _precompute_arguments(precompute)
+    info = command("info", "Show a cache's length, fill, fingerprint, format and size.", "PATH")
+    info.add_argument("--json", action="store_true", help="one JSON object, for machines")
+    verify = command("verify", "Decode every stored value and check its checksums; exit 1 if any is damaged.", "PATH")
+    verify.add_argument("--repair", action="store_true", help="delete damaged entries so they are decoded again")
+    warm = command("warm", "Read a cache once so it is in the page cache before training.", "PATH")
+    copy = command(
+        "copy", "Copy a cache (compacted, consistent) to another place, e.g. a node's local disk.", "SRC", "DST"
+    )
+    copy.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a cache of another dataset (or format) at DST, or put the cache beside other files there",
+    )
+    merge = command("merge", "Merge shard caches of one dataset into one cache.", "OUT")
+    merge.add_argument("shards", metavar="SHARD", nargs="+")
+    for p in (precompute, verify, warm, merge):
+        p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def _precompute_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", metavar="SPEC", help="package.module:callable or path/to/file.py:callable")
     p.add_argument("path", metavar="PATH", help="the cache directory")
     p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", help="keyword argument for SPEC")
@@ -204,47 +176,20 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="samples per commit (default 1024); a commit also happens every second: a kill loses about 1 s of work",
     )
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-
-    p = command("info", "Show a cache's length, fill, fingerprint, format and size.")
-    p.add_argument("path", metavar="PATH")
-    p.add_argument("--json", action="store_true", help="one JSON object, for machines")
-
-    p = command("verify", "Decode every stored value and check its checksums; exit 1 if any is damaged.")
-    p.add_argument("path", metavar="PATH")
-    p.add_argument("--repair", action="store_true", help="delete damaged entries so they are decoded again")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-
-    p = command("warm", "Read a cache once so it is in the page cache before training.")
-    p.add_argument("path", metavar="PATH")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-
-    p = command("copy", "Copy a cache (compacted, consistent) to another place, e.g. a node's local disk.")
-    p.add_argument("src", metavar="SRC")
-    p.add_argument("dst", metavar="DST")
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace a cache of another dataset (or format) at DST, or put the cache beside other files there",
-    )
-
-    p = command("merge", "Merge shard caches of one dataset into one cache.")
-    p.add_argument("out", metavar="OUT")
-    p.add_argument("shards", metavar="SHARD", nargs="+")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return parser
 
 
 def _bar(total: int | None, unit: str, quiet: bool, **kwargs: Any) -> Any:
-    from .precompute import progress_bar
+    from ._progress import progress_bar
 
     return progress_bar(total, unit, quiet, **kwargs)
 
 
 def _precompute(args: argparse.Namespace) -> int:
-    from .precompute import precompute
+    with _interrupt_not_lost():
+        from ._precompute import precompute  # imports torch, the SPEC's module too
+        from ._spec import load_spec, parse_args_kv
 
-    dataset = load_spec(args.spec, _parse_args_kv(args.arg))
+        dataset = load_spec(args.spec, parse_args_kv(args.arg))
     result = precompute(
         dataset,
         args.path,
@@ -262,21 +207,48 @@ def _precompute(args: argparse.Namespace) -> int:
     return 130 if result.interrupted else 0
 
 
+@contextlib.contextmanager
+def _interrupt_not_lost() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt in the block as usual, and again at its end if code inside swallowed it.
+
+    torch's import does, when the signal lands in the numpy import it makes from C (it clears
+    the error and goes on): a Ctrl-C in the first second of precompute was lost (issue 13).
+    """
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield  # Ctrl-C ignored (a background job) or handled by the caller: theirs to decide
+        return
+    seen: list[int] = []
+
+    def interrupt(signum: int, frame: Any) -> None:
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if seen:
+        raise KeyboardInterrupt
+
+
 def _info(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from .tools import info
 
     data = info(args.path)
     if args.json:
-        print(json.dumps(data, indent=2))
+        print(json.dumps(dataclasses.asdict(data), indent=2))
         return 0
-    state = "complete" if data["complete"] else "incomplete"
-    print(f"path         {data['path']}")
-    print(f"length       {data['length']}")
-    print(f"cached       {data['cached']} ({data['percent']:.1f}%, {state})")
-    print(f"fingerprint  {data['fingerprint']}")
-    print(f"format       {data['format_version']} (written by lmdbcache {data['library_version']})")
-    print(f"size         {data['size_bytes'] / 2**20:,.1f} MB on disk, map {data['map_size'] / 2**20:,.0f} MB")
-    print(f"created      {data['created']}")
+    state = "complete" if data.complete else "incomplete"
+    print(f"path         {data.path}")
+    print(f"length       {data.length}")
+    print(f"cached       {data.cached} ({data.percent:.1f}%, {state})")
+    print(f"fingerprint  {data.fingerprint}")
+    print(f"format       {data.format_version} (written by lmdbcache {data.library_version})")
+    print(f"size         {data.size_bytes / 2**20:,.1f} MB on disk, map {data.map_size / 2**20:,.0f} MB")
+    print(f"created      {data.created}")
     return 0
 
 
@@ -290,14 +262,21 @@ def _verify(args: argparse.Namespace) -> int:
             bar.refresh()
 
         result = verify(args.path, repair=args.repair, progress=bar.update, started=started)
+    text, code = _verify_report(result, args.repair)
+    print(text)
+    return code
+
+
+def _verify_report(result: VerifyResult, repair: bool) -> tuple[str, int]:
+    """What ``lmdbcache verify`` prints about ``result``, and its exit status."""
     shown = ", ".join(map(str, result.bad[:20])) + (", ..." if len(result.bad) > 20 else "")
     deleted = f"{result.repaired} were deleted before it" if result.repaired else "nothing was deleted"
+    rebuild = "copy the cache from a good replica, or rebuild it (`lmdbcache precompute --overwrite`)."
     if result.crashed is not None and not result.file_damaged:
-        print(
+        return (
             f"verify stopped: {result.crashed}; {deleted}. Run it again; if it stops at the same place, the file is "
-            "damaged: copy the cache from a good replica, or rebuild it (`lmdbcache precompute --overwrite`)."
-        )
-        return 1
+            f"damaged: {rebuild}"
+        ), 1
     broken = result.crashed or result.unreadable
     if broken is not None:
         # The file itself is damaged, not just some values: repair does not write to it.
@@ -305,36 +284,28 @@ def _verify(args: argparse.Namespace) -> int:
         cannot = (
             " --repair cannot fix that (it deletes damaged values; writing to a file this damaged could spread it):"
             f" {deleted}."
-            if args.repair
+            if repair
             else ""
         )
-        fix = (
-            "; copy the cache from a good replica, or rebuild it (`lmdbcache precompute --overwrite`)."
-            if result.crashed
-            else ""  # the reason already says what to do
-        )
-        print(f"damaged: {broken}{fix}{cannot}{before}")
-        return 1
+        fix = f"; {rebuild}" if result.crashed else ""  # for unreadable, the reason already says what to do
+        return f"damaged: {broken}{fix}{cannot}{before}", 1
     if not result.bad:
-        print(f"Checked {result.checked} entries: all intact.")
-        return 0
-    if args.repair:
-        kept = sorted(result.unrepaired)
-        if kept:
-            why = result.unrepaired[kept[0]]
-            print(
-                f"Checked {result.checked} entries: deleted {result.repaired} of {len(result.bad)} damaged ({shown}); "
-                f"could not delete {', '.join(map(str, kept[:20]))} ({why}). Copy the cache from a good replica, or "
-                "rebuild it (`lmdbcache precompute --overwrite`)."
-            )
-            return 1
-        print(
-            f"Checked {result.checked} entries: deleted {result.repaired} damaged ({shown}). They are decoded again "
-            "on their next read, or by `lmdbcache precompute`."
+        return f"Checked {result.checked} entries: all intact.", 0
+    if not repair:
+        return (
+            f"Checked {result.checked} entries: {len(result.bad)} damaged: {shown}. Run with --repair to delete them.",
+            1,
         )
-        return 0
-    print(f"Checked {result.checked} entries: {len(result.bad)} damaged: {shown}. Run with --repair to delete them.")
-    return 1
+    kept = sorted(result.unrepaired)
+    if kept:
+        return (
+            f"Checked {result.checked} entries: deleted {result.repaired} of {len(result.bad)} damaged ({shown}); "
+            f"could not delete {', '.join(map(str, kept[:20]))} ({result.unrepaired[kept[0]]}). {rebuild.capitalize()}"
+        ), 1
+    return (
+        f"Checked {result.checked} entries: deleted {result.repaired} damaged ({shown}). They are decoded again "
+        "on their next read, or by `lmdbcache precompute`."
+    ), 0
 
 
 def _warm(args: argparse.Namespace) -> int:
@@ -367,9 +338,9 @@ def _mem_available() -> int | None:
 
 
 def _copy(args: argparse.Namespace) -> int:
-    from .tools import copy
+    from .tools import copy_cache
 
-    result = copy(args.src, args.dst, overwrite=args.overwrite)
+    result = copy_cache(args.src, args.dst, overwrite=args.overwrite)
     if result.action == "unchanged":
         print(f"'{args.dst}' already holds the complete cache ({result.cached}/{result.length}): nothing to do.")
     else:
@@ -411,6 +382,17 @@ COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    finally:
+        if argv is None:  # run as the command: the process exits next
+            # Python's last collection at exit walks every object torch made (0.3-0.4 s after a
+            # precompute, on top of a Ctrl-C's final commit); the process frees them anyway.
+            gc.freeze()
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The command ``args`` asks for; user errors as one line on stderr (exit 1), Ctrl-C as exit 130."""
     try:
         return COMMANDS[args.command](args)
     except (LmdbCacheError, OSError) as exc:

@@ -1,0 +1,416 @@
+"""Build a whole cache before training: parallel decode, one writer, resumable, shardable.
+
+Sharding is a fixed assignment: index ``i`` belongs to shard ``i % N`` of ``N`` (round
+robin, so every shard gets a fair mix of the dataset). Under ``torchrun`` (``LOCAL_RANK``
+and ``LOCAL_WORLD_SIZE`` in the environment) the local ranks of a node split the indices
+of their shard the same way, and all write the one node-local cache.
+
+Ctrl-C. The main process decides when to stop: it commits what it has queued (a second
+Ctrl-C cannot abort that commit), then stops the workers, which ignore SIGINT (a terminal
+sends it to them too). A worker interrupted by it on its own used to leave a full result
+pipe behind and the DataLoader waited 5 s per worker before killing it (issue 13). Workers
+also skip the rest of their batch once the run has stopped, so they leave at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import multiprocessing
+import multiprocessing.synchronize
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from torch.utils.data import DataLoader, Dataset
+
+from . import _registry
+from ._commit import Policy
+from ._options import check_options, parse_size
+from ._progress import progress_bar
+from .codec import encode
+from .dataset import _dataset_length, default_fingerprint
+from .errors import InvalidOptionError, LmdbCacheError, NondeterministicDatasetError, SourceItemError
+from .store import DATA_FILE, Store
+
+# Commits on time as well as on count, with the dataset's default bound: a SIGKILL loses at
+# most about a second of work (plus what the workers had decoded but not handed over).
+_COMMIT_INTERVAL = 1.0
+
+__all__ = ["NondeterministicDatasetError", "PrecomputeResult", "SourceItemError", "precompute", "shard_indices"]
+
+
+# What a worker sends for one index: (index, encoded sample, None) or (index, None, why it failed).
+_Item = tuple[int, bytes | None, str | None]
+_Batch = list[_Item]
+
+
+@dataclasses.dataclass
+class PrecomputeResult:
+    """What one precompute run did (also the closing summary line)."""
+
+    path: str
+    written: int
+    skipped: int
+    seconds: float
+    cached: int
+    length: int
+    size_bytes: int
+    interrupted: bool = False
+
+    @property
+    def rate(self) -> float:
+        return self.written / self.seconds if self.seconds > 0 else 0.0
+
+    def summary(self) -> str:
+        head = "Interrupted: kept" if self.interrupted else "Wrote"
+        tail = " Rerun the same command to resume." if self.interrupted else ""
+        return (
+            f"{head} {self.written} samples, skipped {self.skipped} already cached, in {self.seconds:.1f} s "
+            f"({self.rate:,.0f} samples/s); '{self.path}' now holds {self.cached}/{self.length} samples, "
+            f"{self.size_bytes / 2**20:,.1f} MB on disk.{tail}"
+        )
+
+
+def shard_indices(length: int, shard: tuple[int, int] | None = None, local: tuple[int, int] | None = None) -> range:
+    """The indices of ``shard`` (I, N), split again for local rank ``local`` (R, W): ``i % N == I``, then 1 in W."""
+    index, count = shard or (0, 1)
+    if not (count >= 1 and 0 <= index < count):
+        raise ValueError(f"shard must be I/N with 0 <= I < N (I counted from 0), not {index}/{count}")
+    rank, world = local or (0, 1)
+    return range(index + rank * count, length, count * world)
+
+
+def torchrun_local() -> tuple[int, int] | None:
+    """(LOCAL_RANK, LOCAL_WORLD_SIZE) when launched by torchrun with more than one local process."""
+    try:
+        rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+    return (rank, world) if world > 1 else None
+
+
+def precompute(
+    dataset: Any,
+    path: str | os.PathLike[str],
+    *,
+    num_workers: int | None = None,
+    shard: tuple[int, int] | None = None,
+    local: tuple[int, int] | None = None,
+    fingerprint: str | None = None,
+    overwrite: bool = False,
+    check_determinism: int = 3,
+    allow_nondeterministic: bool = False,
+    batch_size: int = 16,
+    commit_every: int = 1024,
+    commit_bytes: int = 256 << 20,
+    map_size: int = 64 << 20,
+    progress: bool | None = None,
+) -> PrecomputeResult:
+    """Decode every index of ``dataset`` (or of one shard) into the cache at ``path``.
+
+    ``num_workers`` DataLoader workers decode and encode (default: the CPU count, split
+    between torchrun's local ranks); this process writes, committing every
+    ``commit_every`` samples or ``commit_bytes`` bytes. Already cached indices are
+    skipped, so an interrupted run resumes where it stopped. ``local`` is (local rank,
+    local world size); by default it comes from torchrun's environment.
+
+    Before writing, ``check_determinism`` indices are decoded twice; if the two samples
+    differ (random augmentation inside the dataset would be frozen into the cache) this
+    raises ``NondeterministicDatasetError`` unless ``allow_nondeterministic``.
+
+    Raises ``SourceItemError`` naming the index when the dataset raises (what was written
+    is kept). Ctrl-C commits what was decoded, stops the workers and returns with
+    ``interrupted=True``; ``seconds`` (and the rate) cover the work, not the shutdown.
+    """
+    start = time.perf_counter()
+    _check_arguments(num_workers, batch_size, check_determinism, map_size, commit_every, commit_bytes, fingerprint)
+    path = os.path.abspath(os.fspath(path))
+    local, workers = _local_ranks(local, overwrite, num_workers)
+    length = _dataset_length(dataset)
+    indices = shard_indices(length, shard, local)
+    run = _Run.open(path, dataset, length, fingerprint, overwrite, map_size, commit_every, commit_bytes)
+    try:
+        todo = _not_cached(run.store, indices, length)
+        halted = _fill(run, dataset, todo, workers, batch_size, progress, check_determinism, allow_nondeterministic)
+        cached = run.store.count()
+    finally:
+        _registry.release(run.store)
+    seconds = (run.stopped or time.perf_counter()) - start
+    size = os.path.getsize(os.path.join(path, DATA_FILE))
+    return PrecomputeResult(path, run.written, len(indices) - len(todo), seconds, cached, length, size, halted)
+
+
+def _check_arguments(
+    num_workers: int | None,
+    batch_size: int,
+    check_determinism: int,
+    map_size: int,
+    commit_every: int,
+    commit_bytes: int,
+    fingerprint: str | None,
+) -> None:
+    for name, value, low in (("batch_size", batch_size, 1), ("check_determinism", check_determinism, 0)):
+        if type(value) is not int or value < low:
+            raise InvalidOptionError(f"{name} must be an integer >= {low}, not {value!r}.")
+    if num_workers is not None and (type(num_workers) is not int or num_workers < 0):
+        raise InvalidOptionError(
+            f"num_workers must be an integer >= 0 (0 decodes in this process), or None for the CPU count, not "
+            f"{num_workers!r}."
+        )
+    check_options(
+        map_size=map_size,
+        max_readers=1,
+        commit_every=commit_every,
+        commit_bytes=commit_bytes,
+        commit_interval=_COMMIT_INTERVAL,
+        checksum="once",
+        fingerprint=fingerprint,
+    )
+
+
+def _local_ranks(
+    local: tuple[int, int] | None, overwrite: bool, num_workers: int | None
+) -> tuple[tuple[int, int] | None, int]:
+    """(``local`` or torchrun's (local rank, local world size), ``num_workers`` or this rank's share of the CPUs).
+
+    ``overwrite`` with several local ranks is refused: each rank would wipe the cache.
+    """
+    local = local if local is not None else torchrun_local()
+    if overwrite and local is not None:
+        raise LmdbCacheError(
+            "overwrite=True with several local ranks would wipe the cache once per rank. Delete the cache "
+            "directory before launching, or run the rebuild as a single process."
+        )
+    workers = num_workers if num_workers is not None else max(1, (os.cpu_count() or 1) // (local[1] if local else 1))
+    return local, workers
+
+
+@dataclasses.dataclass
+class _Run:
+    """One precompute on its store: what it has written, and when its work stopped."""
+
+    store: Store
+    build: str  # the build this run writes into (the store may be shared in-process)
+    policy: Policy  # this run's own commit policy
+    base: int  # the store's count of written samples when the run began
+    checked: int = 0  # samples written by the determinism check
+    stopped: float | None = None  # perf_counter() after the last commit, before the workers are stopped
+
+    @classmethod
+    def open(
+        cls,
+        path: str,
+        dataset: Any,
+        length: int,
+        fingerprint: str | None,
+        overwrite: bool,
+        map_size: int,
+        every: int,
+        size: int,
+    ) -> _Run:
+        """This process's store for ``path``, opened for ``dataset`` (created, or checked against it)."""
+        store, meta = _registry.open_store(
+            path,
+            length=length,
+            fingerprint=fingerprint if fingerprint is not None else default_fingerprint(dataset),
+            overwrite=overwrite,
+            map_size=map_size,
+            commit_every=every,
+            commit_bytes=size,
+            commit_interval=_COMMIT_INTERVAL,
+        )
+        policy = Policy(every, parse_size(size), _COMMIT_INTERVAL)
+        return cls(store, meta["cache_id"], policy, store.written)
+
+    @property
+    def written(self) -> int:
+        return self.checked + self.store.written - self.base
+
+    def commit(self) -> None:
+        """Commit every queued sample and wait for it; the work stops here."""
+        self.store.flush()
+        self.stopped = time.perf_counter()
+
+    def final_commit(self) -> None:
+        """``commit`` after Ctrl-C: a second Ctrl-C must not abort it."""
+        if self.stopped is None:
+            with _interrupts_ignored():
+                self.commit()
+
+
+def _not_cached(store: Store, indices: range, length: int) -> list[int]:
+    """The indices of ``indices`` the cache does not hold (a byte per index, or a set for huge datasets)."""
+    done: bytearray | set[int] = bytearray(length) if length <= 1 << 28 else set()
+    for index in store.iter_keys():
+        if index < length:
+            if isinstance(done, set):
+                done.add(index)
+            else:
+                done[index] = 1
+    return [i for i in indices if not (i in done if isinstance(done, set) else done[i])]
+
+
+def _fill(
+    run: _Run,
+    dataset: Any,
+    todo: list[int],
+    workers: int,
+    batch_size: int,
+    progress: bool | None,
+    check: int,
+    allow_nondeterministic: bool,
+) -> bool:
+    """Decode and write ``todo``: the determinism check, then the workers. True if Ctrl-C stopped it."""
+    try:
+        if todo and check > 0:
+            run.checked = _check_determinism(dataset, todo[:check], allow_nondeterministic, run.store, run.build)
+            todo = todo[check:]
+        _write_all(run, dataset, todo, workers, batch_size, progress)
+    except KeyboardInterrupt:
+        run.final_commit()
+        return True
+    return False
+
+
+def _check_determinism(dataset: Any, checked: list[int], allow: bool, store: Store, build: str) -> int:
+    """Decode ``checked`` twice each; write them (they are decoded already) and return how many were new."""
+    values = []
+    for index in checked:
+        first, second = (_encode_source(dataset, index) for _ in range(2))
+        if first != second and not allow:
+            raise NondeterministicDatasetError(
+                f"The dataset returned different samples for index {index} on two calls, so its first decode "
+                "would be frozen into the cache. Move random augmentation out of the dataset into "
+                "CachedDataset(transform=...), or pass --allow-nondeterministic if the difference is harmless."
+            )
+        values.append((index, first))
+    return store.put_many(values, build)
+
+
+def _encode_source(dataset: Any, index: int) -> bytes:
+    try:
+        return encode(dataset[index], index)
+    except LmdbCacheError:
+        raise
+    except Exception as exc:
+        raise SourceItemError(f"The dataset raised on index {index}: {type(exc).__name__}: {exc}") from exc
+
+
+def _write_all(run: _Run, dataset: Any, todo: list[int], workers: int, batch_size: int, progress: bool | None) -> None:
+    """Workers decode and encode; this process queues their bytes; the store's thread commits."""
+    if not todo:
+        return
+    stop = multiprocessing.Event() if workers else None
+    loader = DataLoader(
+        _Encoded(dataset, todo, stop),
+        batch_size=batch_size,
+        num_workers=workers,
+        collate_fn=_collate,
+        prefetch_factor=4 if workers else None,
+        worker_init_fn=_ignore_interrupts if workers else None,
+    )
+    bar = progress_bar(len(todo) + run.written, "sample", progress is False, initial=run.written, smoothing=0.1)
+    batches: Iterator[_Batch] | None = None
+    try:
+        with _interrupts_held():  # an interrupted start would leave workers that nothing shuts down
+            batches = iter(loader)
+        _queue_all(run, batches, bar)
+    except KeyboardInterrupt:
+        run.final_commit()  # before the workers go: what they handed over is kept
+        raise
+    finally:
+        bar.close()
+        if stop is not None:
+            stop.set()  # workers skip the rest of their batch
+        shutdown = getattr(batches, "_shutdown_workers", None)  # the DataLoader's own clean shutdown
+        if shutdown is not None:
+            shutdown()
+
+
+def _queue_all(run: _Run, batches: Iterable[_Batch], bar: Any) -> None:
+    """Queue every encoded sample the workers send; the last commit ends the work."""
+    add = functools.partial(run.store.add, build=run.build, policy=run.policy)
+    for batch in batches:
+        for index, value, error in batch:
+            if value is None:
+                run.store.flush()
+                raise SourceItemError(
+                    f"The dataset raised on index {index}: {error}. The {run.store.written - run.base} samples "
+                    "decoded before it were kept; fix the dataset (or exclude the index) and rerun to resume."
+                )
+            add(index, value)  # the store's committer thread writes batches in the background
+        bar.update(len(batch))
+    run.commit()
+
+
+class _Encoded(Dataset[_Item]):
+    """Decodes and encodes in the workers, so the writer only copies bytes into LMDB."""
+
+    def __init__(
+        self, dataset: Any, indices: Sequence[int], stop: multiprocessing.synchronize.Event | None = None
+    ) -> None:
+        self.dataset, self.indices, self.stop = dataset, indices, stop
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, k: int) -> _Item:
+        index = self.indices[k]
+        if self.stop is not None and self.stop.is_set():
+            return index, None, "skipped: the run has stopped"  # never read: the main process has left
+        try:
+            return index, encode(self.dataset[index], index), None
+        except Exception as exc:  # reported by the writer with its index; the run stops cleanly
+            return index, None, f"{type(exc).__name__}: {exc}"
+
+
+def _collate(batch: _Batch) -> _Batch:
+    return batch
+
+
+# ---------------------------------------------------------------------- Ctrl-C
+
+
+def _ignore_interrupts(worker_id: int) -> None:
+    """A worker's first step: ignore SIGINT (see the module docstring), which ``_interrupts_held`` blocked."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Hold Ctrl-C until the block has run, then raise it; processes started inside begin with SIGINT blocked.
+
+    The signal mask is inherited by fork and kept across exec, so a worker cannot be
+    interrupted before ``_ignore_interrupts`` runs, whatever the start method.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # Python runs signal handlers in the main thread only
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        signal.raise_signal(signal.SIGINT)  # to the handler in force again: KeyboardInterrupt by default
+
+
+@contextlib.contextmanager
+def _interrupts_ignored() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -1,0 +1,137 @@
+"""``precompute``: the Python API, and builds by the command (checks, errors, kills, shards of a node)."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import torch
+from helpers import Synthetic, assert_same, sample_for, small_disk
+from test_cli import SPEC, cli, one_line_error, slow_precompute
+from test_processes import check_cache, wait_for_count
+
+from lmdbcache import CachedDataset, CacheMismatchError, _registry, precompute
+
+
+def test_python_api_precompute(cache_dir):
+    """lmdbcache.precompute works from a notebook: same result object the command prints."""
+    result = precompute(Synthetic(120), cache_dir, num_workers=0, progress=False)
+    assert (result.written, result.skipped, result.cached, result.length) == (120, 0, 120, 120)
+    assert "Wrote 120 samples" in result.summary()
+    again = precompute(Synthetic(120), cache_dir, num_workers=2, progress=False)
+    assert (again.written, again.skipped) == (0, 120)
+    check_cache(cache_dir, 120)
+
+
+def test_determinism_guard(cache_dir):
+    """A dataset whose samples vary between calls is refused with advice; --allow-nondeterministic overrides."""
+    line = one_line_error(cli("precompute", "helpers:Noisy", str(cache_dir), check=1))
+    assert "different samples for index 0" in line and "transform" in line and "--allow-nondeterministic" in line
+    cli("precompute", "helpers:Noisy", str(cache_dir), "--allow-nondeterministic", "--quiet")
+    assert CachedDataset.open(cache_dir).is_complete
+
+
+def test_determinism_check_samples_never_reach_a_build_made_meanwhile(cache_dir):
+    """precompute's first samples are written with its build id: a rebuild in between makes it fail, not mix."""
+    from helpers import Listed
+
+    with CachedDataset(Synthetic(20), cache_dir) as ds:
+        ds[0]
+    store = _registry.acquire(str(cache_dir))
+    build = store.initialize(length=20, fingerprint="Synthetic:20")["cache_id"]
+    CachedDataset(Listed([(torch.zeros(1), k) for k in range(20)]), cache_dir, fingerprint="Synthetic:20",
+                  overwrite=True).close()  # fmt: skip
+    from lmdbcache.codec import encode
+
+    with pytest.raises(CacheMismatchError, match="rebuilt"):
+        store.put_many([(5, encode(sample_for(5), 5))], build)
+    _registry.release(store)
+
+
+def test_existing_cache_of_another_dataset(cache_dir):
+    """precompute onto a cache built for another dataset is the mismatch error, and changes nothing."""
+    cli("precompute", SPEC, str(cache_dir), "--arg", "n=20", "--quiet")
+    line = one_line_error(cli("precompute", SPEC, str(cache_dir), "--arg", "n=21", check=1))
+    assert "length 20 but the dataset has length 21" in line and "overwrite" in line
+    check_cache(cache_dir, 20)
+    cli("precompute", SPEC, str(cache_dir), "--arg", "n=21", "--overwrite", "--quiet")
+    check_cache(cache_dir, 21)
+
+
+def test_item_error_names_the_index_and_keeps_the_rest(cache_dir):
+    """A dataset item that raises stops precompute with exit 1 naming index and exception; the cache stays sound."""
+    line = one_line_error(
+        cli("precompute", "helpers:Failing", str(cache_dir), "--arg", "n=64", "--arg", "bad=40", check=1)
+    )
+    assert "index 40" in line and "ValueError: cannot decode file 40" in line and "rerun" in line
+    ds = CachedDataset.open(cache_dir)
+    assert 0 < ds.cached_count < 64
+    for index in ds._live_store().iter_keys():
+        assert index != 40
+        assert_same(ds[index], sample_for(index))
+    ds.close()
+
+
+def test_sigkill_mid_precompute_then_resume(cache_dir):
+    """A precompute SIGKILLed mid-run keeps every committed sample; rerunning completes the cache, all correct."""
+    n = 1500
+    with slow_precompute(cache_dir, n) as proc:
+        wait_for_count(cache_dir, 200)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    partial = CachedDataset.open(cache_dir)
+    committed = partial.cached_count
+    partial.close()
+    assert 200 <= committed < n
+    assert "all intact" in cli("verify", str(cache_dir), "--quiet").stdout
+    result = cli("precompute", SPEC, str(cache_dir), "--arg", f"n={n}", "--workers", "2", "--quiet")
+    assert f"skipped {committed} already cached" in result.stdout
+    check_cache(cache_dir, n)
+
+
+def test_a_killed_precompute_loses_about_a_second_of_work(cache_dir):
+    """precompute commits on time too: with --commit-every far above the run, a SIGKILL still keeps the work."""
+    n = 4000
+    proc = cli("precompute", SPEC, str(cache_dir), "--arg", f"n={n}", "--arg", "delay=0.004", "--workers", "2",
+               "--commit-every", "100000", "--quiet", wait=False)  # fmt: skip
+    with proc:
+        wait_for_count(cache_dir, 100)  # only a timed commit can get there (v0.1.0 kept 3 of 1,500)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    with CachedDataset.open(cache_dir) as partial:
+        assert 100 <= partial.cached_count < n
+
+
+def test_precompute_on_a_full_disk(tmp_path):
+    """On a disk that fills up, precompute exits 1 saying so (path, free space); the cache stays consistent."""
+    with small_disk(tmp_path, "24m") as mount:
+        cache = mount / "cache"
+        line = one_line_error(
+            cli("precompute", "helpers:Big", str(cache), "--arg", "n=64", "--commit-every", "4", check=1)
+        )
+        assert "is full" in line and str(mount) in line and "bytes free" in line
+        assert "all intact" in cli("verify", str(cache), "--quiet").stdout
+        ds = CachedDataset.open(cache)
+        assert 0 < ds.cached_count < 64
+        ds.close()
+
+
+def test_torchrun_local_ranks_split_the_work(cache_dir):
+    """With LOCAL_RANK/LOCAL_WORLD_SIZE set (torchrun), two processes share the work of one node-local cache."""
+    n = 400
+    procs = []
+    for rank in range(2):
+        env = {"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2", "RANK": str(rank), "WORLD_SIZE": "2"}
+        procs.append(
+            cli("precompute", SPEC, str(cache_dir), "--arg", f"n={n}", "--workers", "1", "--quiet", wait=False, env=env)
+        )
+    written = []
+    for proc in procs:
+        with proc:
+            out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        written.append(int(out.split()[1]))
+    assert sum(written) == n and all(w == n // 2 for w in written)
+    check_cache(cache_dir, n)
