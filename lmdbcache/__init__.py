@@ -1,8 +1,8 @@
 """lmdbcache: decode each sample once, share it from LMDB's memory map with every process.
 
-``CachedDataset``, ``default_fingerprint``, ``precompute`` and ``PrecomputeResult`` are imported
-on first use (PEP 562): they need torch, which takes seconds to import, and the CLI's commands
-on an existing cache (``lmdbcache info``, ``--version``) do not.
+``CachedDataset``, ``default_fingerprint``, ``Loader``, ``collate``, ``precompute`` and
+``PrecomputeResult`` are imported on first use (PEP 562): they need torch, which takes seconds
+to import, and the CLI's commands on an existing cache (``lmdbcache info``, ``--version``) do not.
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ from .errors import (
 )
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports them
+    from ._collate import collate
     from ._precompute import PrecomputeResult, precompute
     from .dataset import CachedDataset, default_fingerprint
+    from .loader import Loader
 
 __all__ = [
     "FORMAT_VERSION",
@@ -43,6 +45,7 @@ __all__ = [
     "InvalidOptionError",
     "LmdbCacheError",
     "LmdbCacheWarning",
+    "Loader",
     "NondeterministicDatasetError",
     "NotACacheError",
     "PrecomputeResult",
@@ -53,6 +56,7 @@ __all__ = [
     "SpecError",
     "UnsupportedSampleError",
     "__version__",
+    "collate",
     "default_fingerprint",
     "precompute",
 ]
@@ -60,7 +64,9 @@ __all__ = [
 # The names imported on first use, and the module of each.
 _LAZY = {
     "CachedDataset": ".dataset",
+    "Loader": ".loader",
     "PrecomputeResult": "._precompute",
+    "collate": "._collate",
     "default_fingerprint": ".dataset",
     "precompute": "._precompute",
 }

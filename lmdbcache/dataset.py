@@ -296,11 +296,12 @@ class CachedDataset(Dataset[Any]):
                     "random augmentation, move it to transform=. (spot_check=0 turns this check off.)"
                 )
 
-    def loader(self, batch_size: int, **kwargs: Any) -> Loader:
+    def loader(self, batch_size: int | None = 1, **kwargs: Any) -> Loader:
         """Batches equal to ``DataLoader(self, batch_size, collate_fn=default_collate)``'s, copied from the map.
 
-        See ``lmdbcache.loader.Loader`` for the options (shuffle, seed, drop_last,
-        num_threads, prefetch, rank, world_size, batch_transform), order and resume.
+        See ``lmdbcache.Loader`` for the options (shuffle, seed, drop_last, sampler,
+        batch_sampler, num_threads, prefetch, rank, world_size, batch_transform, pin_memory,
+        record_event, seed_transforms), the order, and resuming with ``state_dict``.
         """
         from .loader import Loader  # lazy: keeps `import lmdbcache` light
 

@@ -402,7 +402,6 @@ def test_version_does_not_import_torch():
     assert imports_torch("--version") == "torch not imported 0"
 
 
-@pytest.mark.xfail(strict=True, reason="codec imports torch until the codec split lands")
 def test_info_does_not_import_torch(cache_dir):
     """`lmdbcache info` on a cache does not import torch: commands on an existing cache start fast."""
     precompute(Synthetic(10), cache_dir, num_workers=0, progress=False)

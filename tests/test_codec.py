@@ -953,15 +953,7 @@ sys.modules["lmdbcache"] = package
 @pytest.mark.parametrize(
     "load",
     [
-        pytest.param(
-            "import sys\nimport lmdbcache.codec\n",
-            id="import lmdbcache.codec",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=AssertionError,
-                reason="lmdbcache/__init__ imports torch until the lazy __init__ lands",
-            ),
-        ),
+        pytest.param("import sys\nimport lmdbcache.codec\n", id="import lmdbcache.codec"),
         pytest.param(_CODEC_MODULES_ALONE, id="codec modules alone"),
     ],
 )
