@@ -11,7 +11,7 @@ from helpers import Listed, Synthetic, key, raw_cache, sample_for
 from torch.utils.data import DataLoader, DistributedSampler
 from torch.utils.data._utils.collate import default_collate
 
-import lmdbcache.loader as loader_module
+import lmdbcache._pass as pass_module
 from lmdbcache import CachedDataset, CorruptSampleError, InvalidOptionError, LmdbCacheWarning
 
 pytestmark = pytest.mark.timeout(60)
@@ -78,7 +78,7 @@ def test_batches_equal_dataloader(cache_dir, kind, shuffle, drop_last, copies):
 def copies(request, monkeypatch):
     """Small batches are copied by the planner thread; 'pool' forces them onto the copy threads."""
     if request.param == "pool":
-        monkeypatch.setattr(loader_module, "_INLINE", 0)
+        monkeypatch.setattr(pass_module, "INLINE", 0)
     return request.param
 
 
@@ -89,8 +89,8 @@ def test_flat_batches_take_the_copy_path(cache_dir, monkeypatch, copies):
     def refuse(ds, indices):
         raise AssertionError("fallback used")
 
-    monkeypatch.setattr(loader_module, "_together", refuse)
-    monkeypatch.setattr(loader_module, "_one_by_one", refuse)
+    monkeypatch.setattr(pass_module, "together", refuse)
+    monkeypatch.setattr(pass_module, "one_by_one", refuse)
     for threads in (1, 2, 3):
         same(list(ds.loader(8, shuffle=True, num_threads=threads)), reference(ds, 8, shuffle=True))
 
@@ -146,13 +146,13 @@ def test_distributed_from_torchrun_env(cache_dir, monkeypatch):
 def read_indices(monkeypatch):
     """Record the index lists the loader reads."""
     reads = []
-    gather = loader_module._Pass._gather
+    gather = pass_module.Pass._gather
 
     def recording(self, indices):
         reads.append(list(indices))
         return gather(self, indices)
 
-    monkeypatch.setattr(loader_module._Pass, "_gather", recording)
+    monkeypatch.setattr(pass_module.Pass, "_gather", recording)
     return reads
 
 
@@ -404,7 +404,7 @@ def test_a_slot_is_reused_only_after_its_device_event(cache_dir, monkeypatch):
     made, waited = [], []
     allocate = gather.Layout.allocate
     monkeypatch.setattr(gather.Layout, "allocate", lambda self, *a: made.append(a) or allocate(self, *a))
-    acquire = loader_module._Ring.acquire
+    acquire = pass_module.Ring.acquire
 
     def checked(ring, layout, rows):
         pending = {id(b): b.event for b in ring.buffers if b.event is not None and not b.event.query()}
@@ -414,7 +414,7 @@ def test_a_slot_is_reused_only_after_its_device_event(cache_dir, monkeypatch):
             waited.append(buffers)
         return buffers
 
-    monkeypatch.setattr(loader_module._Ring, "acquire", checked)
+    monkeypatch.setattr(pass_module.Ring, "acquire", checked)
     loader = ds.loader(4, shuffle=True, prefetch=1, record_event=lambda: events.append(FakeEvent(0.02)) or events[-1])
     for _ in range(2):
         for batch in loader:

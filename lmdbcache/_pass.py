@@ -1,0 +1,243 @@
+"""One pass of a ``Loader`` over an epoch: the planner thread, the copy pool, the ring of buffers.
+
+The planner thread walks the epoch's batches, reads each through ``ReadPath.read_batch`` (one
+lock and read transaction per batch) and hands slices of it to the copy pool, which copies the
+values straight from the map into a ring slot (``_gather``); finished batches wait in a queue
+of ``prefetch`` for the consumer. Misses, values that are not flat and datasets with a
+per-sample transform take the fallback: ``__getitems__`` and ``default_collate`` on the pool.
+See ``loader`` for the rules the ring and the fallback keep.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import random
+import struct
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import xxhash
+from torch.utils.data._utils.collate import default_collate
+from torch.utils.data._utils.pin_memory import pin_memory as pin_batch
+
+from ._gather import Buffers, Layout, layout_of
+from .store import MISSING
+
+if TYPE_CHECKING:
+    from .dataset import CachedDataset
+    from .loader import Loader
+
+# Held while a transform runs with the global generators seeded: they are process-wide.
+_RNG_LOCK = threading.Lock()
+_U64 = (1 << 64) - 1
+
+__all__ = ["INLINE", "Pass", "Ring", "current_stream_event", "one_by_one", "stamp", "together"]
+
+# A batch smaller than this is copied by the planner thread itself: its per-sample work holds
+# the GIL anyway, and the hand-off to the pool cost more than it saved (3x32x32, batch 64:
+# 331k -> 365k samples/s on one thread, 259k -> 415k on two; bench/loader.py).
+INLINE = 1 << 20
+
+
+class Ring:
+    """Batch buffers reused only when no handed-out tensor of theirs is alive (see the module docstring)."""
+
+    def __init__(self, slots: int, rows: int, memory: str = "plain") -> None:
+        self.slots, self.rows, self.memory = slots, rows, memory
+        self.buffers: list[Buffers] = []
+        self.lock = threading.Lock()
+
+    def acquire(self, layout: Layout, rows: int) -> Buffers:
+        with self.lock:
+            kept = [b for b in self.buffers if b.layout is layout and b.rows >= rows]
+            if len(kept) != len(self.buffers):
+                self.buffers = kept  # another layout or size: the old slots go when their batches do
+            buffers = next((b for b in kept if b.free()), None)
+            if buffers is None and len(kept) >= self.slots:
+                # Slots held only by the device's copies complete soon: wait, do not allocate.
+                waiting = next((b for b in kept if b.unused()), None)
+                if waiting is not None:
+                    _wait(waiting.event)
+                    buffers = waiting
+            if buffers is None:
+                buffers = layout.allocate(max(rows, self.rows), self.memory)
+                if len(kept) < self.slots:
+                    self.buffers.append(buffers)
+            buffers.busy, buffers.event = True, None
+            return buffers
+
+
+def _wait(event: Any) -> None:
+    """Block until ``event`` (a CUDA event, or any object with query() and maybe synchronize()) completes."""
+    synchronize = getattr(event, "synchronize", None)
+    if synchronize is not None:
+        synchronize()
+    while not event.query():
+        threading.Event().wait(0.0005)
+
+
+class Pass:
+    """One pass: the planner thread, the copy pool and the queue of finished batches."""
+
+    def __init__(self, loader: Loader, epoch: int, batches: list[list[int]], start: int) -> None:
+        self.loader, self.epoch, self.batches, self.start = loader, epoch, batches, start
+        self.ds = loader.dataset
+        self.out: queue.Queue[Any] = queue.Queue(maxsize=loader.prefetch)
+        self.stopping = threading.Event()
+        self.pool = ThreadPoolExecutor(loader.num_threads, thread_name_prefix="lmdbcache-copy")
+        self.planner = threading.Thread(target=self._plan, name="lmdbcache-planner", daemon=True)
+        self.planner.start()
+
+    def get(self) -> Any:
+        while True:
+            try:
+                return self.out.get(timeout=0.1)
+            except queue.Empty:
+                if not self.planner.is_alive() and self.out.empty():
+                    return RuntimeError("lmdbcache.Loader: the planner thread ended without a batch")
+
+    def stop(self) -> None:
+        self.stopping.set()
+        while self.planner.is_alive():
+            try:
+                while True:
+                    self.out.get_nowait()  # unblock a planner waiting to put
+            except queue.Empty:
+                pass
+            self.planner.join(0.05)
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def _put(self, item: Any) -> bool:
+        while not self.stopping.is_set():
+            try:
+                self.out.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _plan(self) -> None:
+        for k in range(self.start, len(self.batches)):
+            if self.stopping.is_set():
+                return
+            indices = self.batches[k]
+            try:
+                batch, slots = self._gather(indices)
+                if batch is None:
+                    batch = self._fallback(indices)
+                    if self.loader.pin_memory:
+                        batch = pin_batch(batch)  # type: ignore[no-untyped-call]  # per batch: fallback only
+                transform = self.loader.batch_transform
+                if transform is not None:
+                    batch = transform(batch)
+            except BaseException as exc:  # re-raised in the consumer
+                _note(exc, f"lmdbcache.Loader: raised loading batch {k} of epoch {self.epoch} (indices {indices})")
+                self._put(exc)
+                return
+            if not self._put((batch, slots)):
+                return
+            del batch, slots
+
+    def _gather(self, indices: list[int]) -> tuple[Any, list[Buffers]]:
+        """The batch copied from the map (None when it must take the fallback path) and its ring slots."""
+        ds = self.ds
+        if ds.transform is not None:
+            return None, []
+        store = ds._live_store()
+        loader = self.loader
+        taken: list[Buffers] = []
+
+        def copy(views: list[Any], checks: list[bool]) -> Any:
+            layout = layout_of(views[0], indices[0], loader._layouts)
+            if layout is None:
+                return None
+            buffers = loader._ring.acquire(layout, len(views))
+            taken.append(buffers)
+            n, parts = len(views), min(loader.num_threads, len(views))
+            if layout.sample_bytes * n < INLINE:
+                return buffers.batch(n) if buffers.fill(views, checks, indices, 0, n) else None
+            bounds = [n * p // parts for p in range(parts + 1)]
+            futures: list[Future[bool]] = [
+                self.pool.submit(buffers.fill, views, checks, indices, lo, hi) for lo, hi in itertools.pairwise(bounds)
+            ]
+            wait(futures)  # every copy ends before the lock is released, even when one of them fails
+            if not all([f.result() for f in futures]):
+                return None
+            return buffers.batch(n)
+
+        try:
+            batch = store.read_batch(indices, ds._always, ds._build, copy)
+        finally:
+            for buffers in taken:
+                buffers.busy = False  # from now on only the use count of its tensors holds it
+        return (None, []) if batch is MISSING or batch is None else (batch, taken)
+
+    def _fallback(self, indices: list[int]) -> Any:
+        """Through ``CachedDataset.__getitems__`` (or per index with a transform) on the copy threads."""
+        ds, parts = self.ds, min(self.loader.num_threads, len(indices))
+        bounds = [len(indices) * p // parts for p in range(parts + 1)]
+        if ds.transform is None:
+            futures = [self.pool.submit(together, ds, indices[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
+        else:
+            seeds = (self.loader.seed, self.epoch) if self.loader.seed_transforms else None
+            futures = [self.pool.submit(one_by_one, ds, indices[lo:hi], seeds) for lo, hi in itertools.pairwise(bounds)]
+        samples: list[Any] = []
+        for f in futures:
+            samples += f.result()
+        return default_collate(samples)  # type: ignore[no-untyped-call]
+
+
+def current_stream_event() -> Any:
+    return torch.cuda.current_stream().record_event()
+
+
+def stamp(slots: list[Buffers], event: Any) -> None:
+    for buffers in slots:
+        buffers.event = event
+
+
+def together(ds: CachedDataset, indices: list[int]) -> list[Any]:
+    return ds.__getitems__(indices)
+
+
+def one_by_one(ds: CachedDataset, indices: list[int], seeds: tuple[int, int] | None = None) -> list[Any]:
+    out = []
+    for index in indices:
+        try:
+            if seeds is None:
+                out.append(ds[index])
+            else:
+                with _seeded(*seeds, index):
+                    out.append(ds[index])
+        except Exception as exc:
+            _note(exc, f"lmdbcache.Loader: raised by the dataset (or its transform) at index {index}")
+            raise
+    return out
+
+
+@contextmanager
+def _seeded(seed: int, epoch: int, index: int) -> Iterator[None]:
+    """The global torch (CPU), numpy and random generators seeded from (seed, epoch, index), restored after."""
+    value = xxhash.xxh3_64_intdigest(struct.pack("<QQQ", seed & _U64, epoch & _U64, index & _U64))
+    with _RNG_LOCK:
+        saved = torch.default_generator.get_state(), np.random.get_state(), random.getstate()
+        torch.default_generator.manual_seed(value)
+        np.random.seed(value & 0xFFFFFFFF)
+        random.seed(value)
+        try:
+            yield
+        finally:
+            torch.default_generator.set_state(saved[0])
+            np.random.set_state(saved[1])
+            random.setstate(saved[2])
+
+
+def _note(exc: BaseException, text: str) -> None:
+    if hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note(text)
