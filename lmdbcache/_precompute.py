@@ -33,7 +33,7 @@ from ._commit import Policy
 from ._options import check_options, parse_size
 from ._progress import progress_bar
 from .codec import encode
-from .dataset import _dataset_length, default_fingerprint
+from .dataset import dataset_length, default_fingerprint
 from .errors import InvalidOptionError, LmdbCacheError, NondeterministicDatasetError, SourceItemError
 from .store import DATA_FILE, Store
 
@@ -131,7 +131,7 @@ def precompute(
     _check_arguments(num_workers, batch_size, check_determinism, map_size, commit_every, commit_bytes, fingerprint)
     path = os.path.abspath(os.fspath(path))
     local, workers = _local_ranks(local, overwrite, num_workers)
-    length = _dataset_length(dataset)
+    length = dataset_length(dataset)
     indices = shard_indices(length, shard, local)
     run = _Run.open(path, dataset, length, fingerprint, overwrite, map_size, commit_every, commit_bytes)
     try:

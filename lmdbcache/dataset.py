@@ -19,13 +19,13 @@ from ._commit import Policy
 from ._diff import first_difference
 from ._options import check_options, parse_size
 from .codec import decode, encode
-from .errors import CacheMismatchError, InvalidOptionError, SampleNotCachedError
+from .errors import CacheMismatchError, CorruptSampleError, InvalidOptionError, SampleNotCachedError
 from .store import MISSING, Store
 
 if TYPE_CHECKING:
     from .loader import Loader
 
-__all__ = ["CachedDataset", "default_fingerprint"]
+__all__ = ["CachedDataset", "dataset_length", "default_fingerprint"]
 
 
 def default_fingerprint(dataset: Any) -> str:
@@ -51,7 +51,7 @@ def default_fingerprint(dataset: Any) -> str:
     return f"{name}:{len(dataset)}"
 
 
-def _dataset_length(dataset: Any) -> int:
+def dataset_length(dataset: Any) -> int:
     try:
         length = operator.index(type(dataset).__len__(dataset))  # not len(): it hides a negative length
     except (TypeError, AttributeError) as exc:
@@ -138,7 +138,7 @@ class CachedDataset(Dataset[Any]):
     def _open(self, fingerprint: str | None, overwrite: bool, spot_check: int) -> None:
         """Open (create, check or rebuild) the cache for this dataset; on error nothing stays open."""
         dataset = self.dataset
-        length = None if dataset is None else _dataset_length(dataset)
+        length = None if dataset is None else dataset_length(dataset)
         if dataset is not None and fingerprint is None:
             fingerprint = default_fingerprint(dataset)
         store, meta = _registry.open_store(
@@ -286,7 +286,11 @@ class CachedDataset(Dataset[Any]):
             if fresh == stored:
                 continue
             # Bytes can differ while samples are equal (a value written by an older format).
-            difference = first_difference(store.get(index, True), decode(fresh, index, verify_data=False))
+            try:
+                cached = store.get(index, True)
+            except CorruptSampleError:
+                continue  # damage, not a stale source: reading the index says so, with the repair to run
+            difference = first_difference(cached, decode(fresh, index, verify_data=False))
             if difference is not None:
                 raise CacheMismatchError(
                     f"Cache '{self.path}' does not match its source dataset at index {index}: {difference}. The "

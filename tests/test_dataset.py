@@ -11,7 +11,7 @@ import lmdb
 import numpy as np
 import pytest
 import torch
-from helpers import Failing, Listed, Synthetic, assert_same, sample_for, source_reads
+from helpers import Failing, Listed, Synthetic, assert_same, key, raw_cache, sample_for, source_reads
 from torch.utils.data import DataLoader, Subset
 
 import lmdbcache
@@ -529,3 +529,17 @@ def test_a_larger_map_from_a_second_object_never_fails_under_a_live_commit(cache
     thread.join(timeout=60)
     assert errors == []
     first.close()
+
+
+def test_the_spot_check_leaves_a_damaged_value_to_the_read_that_meets_it(cache_dir):
+    """A damaged value is not a stale source: opening with the source works; reading the index names the repair."""
+    with CachedDataset(Synthetic(1), cache_dir) as ds:
+        ds[0]
+    with raw_cache(cache_dir) as (txn, samples, _):
+        value = bytearray(txn.get(key(0), db=samples))
+        value[-1] ^= 0xFF  # a data byte: the data checksum fails
+        txn.put(key(0), bytes(value), db=samples)
+    ds = CachedDataset(Synthetic(1), cache_dir, spot_check=1)  # the one cached index is checked
+    with pytest.raises(lmdbcache.CorruptSampleError, match=r"index 0.*verify --repair"):
+        ds[0]
+    ds.close()

@@ -254,8 +254,8 @@ def read_back(path: Path, samples: list[Any], note: Callable[..., None]) -> None
     ok, info = attempt("tools.info", lambda: tools.info(path))
     if ok:
         wanted = {"length": N, "fingerprint": FINGERPRINT}
-        bad = {key: info.get(key) for key, want in wanted.items() if info.get(key) != want}
-        cached = info.get("cached")
+        bad = {key: getattr(info, key, None) for key, want in wanted.items() if getattr(info, key, None) != want}
+        cached = getattr(info, "cached", None)
         if not (type(cached) is int and 0 <= cached <= N):
             bad["cached"] = cached
         if bad:
