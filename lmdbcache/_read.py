@@ -118,16 +118,10 @@ class ReadPath(Handle):
             if build is not None and build != self.build:
                 raise self.mismatch(build)
             txn = self._reader()
-            get, decode, fetch, verified = txn.get, self._decode, self._fetch, self._verified
+            value, decode, verified = self._value, self._decode, self._verified
             out = []
             for index in indices:
-                if verified is not None and index < len(verified) and verified[index]:
-                    try:
-                        raw = get(_KEY(index))
-                    except lmdb.Error as exc:
-                        raise self._read_failure(exc, index) from exc
-                else:
-                    raw = fetch(txn, index)
+                raw = value(txn, index, verified is not None and index < len(verified) and verified[index] == 1)
                 out.append(MISSING if raw is None else decode(raw, index, always))
             misses = [k for k, sample in enumerate(out) if sample is MISSING]
             if misses:
@@ -153,18 +147,12 @@ class ReadPath(Handle):
             if build is not None and build != self.build:
                 raise self.mismatch(build)
             txn = self._reader()
-            get, fetch, verified = txn.get, self._fetch, self._verified
+            value, verified = self._value, self._verified
             views: list[Any] = []
             checks: list[bool] = []
             for index in indices:
-                known = verified is not None and index < len(verified) and verified[index]
-                if known:
-                    try:
-                        raw = get(_KEY(index))
-                    except lmdb.Error as exc:
-                        raise self._read_failure(exc, index) from exc
-                else:
-                    raw = fetch(txn, index)
+                known = verified is not None and index < len(verified) and verified[index] == 1
+                raw = value(txn, index, known)
                 if raw is None:
                     return MISSING  # the caller reads the batch again through get_many, which looks again
                 views.append(raw)
@@ -181,6 +169,15 @@ class ReadPath(Handle):
                     if checked and index < len(verified):
                         verified[index] = 1  # bounds and data checksum passed in this process
             return result
+
+    def _value(self, txn: lmdb.Transaction, index: int, verified_before: bool) -> Any:
+        """The stored value of ``index`` or None: a plain get if this process verified it before, else ``_fetch``."""
+        if not verified_before:
+            return self._fetch(txn, index)
+        try:
+            return txn.get(_KEY(index))
+        except lmdb.Error as exc:
+            raise self._read_failure(exc, index) from exc
 
     def _get_fresh(self, indices: list[int], always: bool) -> list[Any]:
         """Look misses up again in a new snapshot, then in this process's queue. Holds self._lock."""
