@@ -149,7 +149,6 @@ class Pass:
         ds = self.ds
         if ds.transform is not None:
             return None, []
-        store = ds._live_store()
         loader = self.loader
         taken: list[Buffers] = []
 
@@ -172,7 +171,7 @@ class Pass:
             return buffers.batch(n)
 
         try:
-            batch = store.read_batch(indices, ds._always, ds._build, copy)
+            batch = ds.read_batch(indices, copy)
         finally:
             for buffers in taken:
                 buffers.busy = False  # from now on only the use count of its tensors holds it

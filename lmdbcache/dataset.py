@@ -206,6 +206,15 @@ class CachedDataset(Dataset[Any]):
         transform = self.transform
         return samples if transform is None else [transform(sample) for sample in samples]
 
+    def read_batch(self, indices: list[int], copy: Callable[[list[Any], list[bool]], Any]) -> Any:
+        """Low level, for the loader: ``copy(views, check_data)`` over the stored values of ``indices``.
+
+        Runs under the store's lock and one read transaction, with this dataset's checksum
+        policy and build (``ReadPath.read_batch`` says what ``copy`` may do); returns what
+        ``copy`` returns, or ``MISSING`` when an index is not cached.
+        """
+        return self._live_store().read_batch(indices, self._always, self._build, copy)
+
     def _index(self, index: Any) -> int:
         try:
             i = operator.index(index)
