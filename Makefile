@@ -51,6 +51,7 @@ bench: install
 	-$(PY) -m pip install --quiet diskcache datasets
 	-$(PY) -m pip install --quiet --no-deps kappadata
 	$(PY) -m bench.run
+	$(PY) -m bench.loader --reps 3
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis .ruff_cache .mypy_cache
