@@ -1,8 +1,12 @@
 from __future__ import annotations
 
 import gc
+import getpass
+import os
+import tempfile
 
 import pytest
+from helpers import unmount_leftovers
 
 from lmdbcache import _registry
 
@@ -29,3 +33,9 @@ def counts(tmp_path):
     path = tmp_path / "reads"
     path.mkdir()
     return str(path)
+
+
+def pytest_sessionstart(session):
+    """Mounts left by an interrupted run must not break this session's clean-up of old temp dirs."""
+    if os.geteuid() == 0:
+        unmount_leftovers(os.path.join(tempfile.gettempdir(), f"pytest-of-{getpass.getuser()}"))

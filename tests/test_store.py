@@ -13,7 +13,7 @@ import lmdb
 import msgpack
 import pytest
 import torch
-from helpers import Listed, Synthetic, assert_same, golden_samples, key, raw_cache, sample_for
+from helpers import Listed, Synthetic, assert_same, golden_samples, key, raw_cache, sample_for, unmount
 from test_processes import run_script
 
 import lmdbcache
@@ -54,7 +54,7 @@ def read_only(path: Path):
         yield mount
     finally:
         _registry._flush_all_at_exit()  # a handle left open would keep the mount busy
-        subprocess.run(["umount", str(mount)], check=True, capture_output=True)
+        unmount(mount)
         mount.rmdir()
 
 
