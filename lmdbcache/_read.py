@@ -6,9 +6,11 @@ a cursor lookup, and ``codec.decode`` with its one copy out of the map. The valu
 structure and its binding to the index are checked on every read; its record's bounds
 (``_guard``) and its data checksum the first time this process reads the index
 (``checksum="once"``, one flag byte per index), or the data checksum on every read
-(``"always"``). A large value (``_guard.PREFETCH_MIN`` bytes or more; flag byte 2) is looked
-up with a cursor and announced to the kernel before it is touched, so a cold one is read in
-one I/O rather than a page fault per 4 KiB (issue #14); a small one is a plain ``txn.get``.
+(``"always"``). While reads are seen to be cold (one took over ``_COLD`` seconds), a large
+value (``_guard.PREFETCH_MIN`` bytes or more; flag byte 2 once verified) is looked up with a
+cursor and announced to the kernel before it is touched, so it is read in one I/O rather than
+a page fault per 4 KiB (issue #14). Warm, the advice would cost a 147 KiB read half its speed
+(a syscall walking 37 cached pages), so after ``_COLD_RUN`` fast reads it stops again.
 A miss is looked up again in a fresh snapshot and in this process's commit queue before it
 is reported ``MISSING``.
 """
@@ -37,6 +39,9 @@ _UNKEY = struct.Struct(">Q").unpack
 _decode = codec.decode
 _monotonic = time.monotonic
 _READER_MAX_AGE = 0.25  # seconds a kept read transaction may pin its snapshot
+_clock = time.perf_counter
+_COLD = 50e-6  # seconds: a large value read slower than this came from the disk (warm: a few us)
+_COLD_RUN = 64  # large reads prefetched after a cold one, each cold read starting the count again
 
 
 def _mark(size: int) -> int:
@@ -46,6 +51,8 @@ def _mark(size: int) -> int:
 
 class ReadPath(Handle):
     """Reading samples and scanning keys (see the module docstring). Every public method takes the lock."""
+
+    _cold_left = 0  # large reads still to prefetch (reads were seen cold); 0: plain reads, timed
 
     def get(self, index: int, always: bool = False, build: str | None = None) -> Any:
         """The decoded sample at ``index`` of the build ``build``, or ``MISSING``. The hot path: kept flat.
@@ -66,7 +73,15 @@ class ReadPath(Handle):
             verified = self._verified
             if verified is not None and index < len(verified) and (mark := verified[index]):
                 try:
-                    raw = txn.get(_KEY(index)) if mark == 1 else self._prefetched(txn, index)
+                    if mark == 1:
+                        raw = txn.get(_KEY(index))
+                    elif self._cold_left > 0:
+                        raw = self._large(txn, index)
+                    else:  # a large value while reads are warm: a plain get, timed (see _large)
+                        start = _clock()
+                        raw = txn.get(_KEY(index))
+                        if _clock() - start > _COLD:
+                            self._cold_left = _COLD_RUN
                 except lmdb.Error as exc:
                     raise self._read_failure(exc, index) from exc
                 if raw is not None:
@@ -111,26 +126,41 @@ class ReadPath(Handle):
             cursor = txn.cursor(db=self._samples)
             if not cursor.set_key(key):
                 return None
-            problem = guard.problem(cursor.key())
+            start = _clock()
+            problem = guard.problem(cursor.key(), prefetch=self._cold_left > 0)
             if problem is not None:
                 raise CorruptCacheError(
                     f"Cache '{self.path}' is damaged: the record of index {index} is broken ({problem}); it was not "
                     f"read. {REBUILD}"
                 )
-            return cursor.value()
+            raw = cursor.value()
+            if len(raw) >= PREFETCH_MIN:
+                self._saw(_clock() - start)
+            return raw
         except lmdb.Error as exc:
             raise self._read_failure(exc, index) from exc
 
-    def _prefetched(self, txn: lmdb.Transaction, index: int) -> Any:
-        """A verified large value, announced to the kernel (``_guard``) before it is touched; lmdb.Error propagates."""
+    def _large(self, txn: lmdb.Transaction, index: int) -> Any:
+        """A verified large value: announced to the kernel first while reads are cold; lmdb.Error propagates."""
+        start = _clock()
         guard = self._guard
-        if guard is None or not guard.start:
-            return txn.get(_KEY(index))
-        cursor = txn.cursor()
-        if not cursor.set_key(_KEY(index)):
-            return None
-        guard.prefetch(cursor.key())
-        return cursor.value()
+        if self._cold_left <= 0 or guard is None or not guard.start:
+            raw = txn.get(_KEY(index))
+        else:
+            cursor = txn.cursor()
+            if not cursor.set_key(_KEY(index)):
+                return None
+            guard.prefetch(cursor.key())
+            raw = cursor.value()
+        self._saw(_clock() - start)
+        return raw
+
+    def _saw(self, elapsed: float) -> None:
+        """Count a large read that took ``elapsed`` seconds toward the cold/warm decision."""
+        if elapsed > _COLD:
+            self._cold_left = _COLD_RUN
+        elif self._cold_left > 0:
+            self._cold_left -= 1
 
     def get_many(self, indices: list[int], always: bool = False, build: str | None = None) -> list[Any]:
         """Decode a batch of the build ``build`` in one read transaction; misses come back as ``MISSING``."""
@@ -200,7 +230,7 @@ class ReadPath(Handle):
         if not verified_before:
             return self._fetch(txn, index)
         try:
-            return txn.get(_KEY(index)) if verified_before == 1 else self._prefetched(txn, index)
+            return txn.get(_KEY(index)) if verified_before == 1 else self._large(txn, index)
         except lmdb.Error as exc:
             raise self._read_failure(exc, index) from exc
 
