@@ -370,3 +370,128 @@ def test_creating_a_cache_on_a_full_disk_is_a_clear_error(tmp_path):
         out = run_script(code, str(mount / "c"))  # a child: a SIGBUS would kill it, not the test run
         assert out.stdout.startswith("full") and "is full" in out.stdout
         filler.unlink()
+
+
+# ---------------------------------------------------------------------- cold reads: large values announced first
+
+
+def big_sample(i: int) -> tuple[torch.Tensor, int]:
+    """A sample whose stored value (~27 KiB) is over _guard.PREFETCH_MIN, unique per index."""
+    g = torch.Generator().manual_seed(i)
+    return torch.randint(0, 256, (3, 96, 96), dtype=torch.uint8, generator=g), i
+
+
+@pytest.fixture
+def advice(monkeypatch):
+    """Every read counted as cold (so the prefetch path always runs); the madvise calls it makes, recorded."""
+    from lmdbcache import _guard, _read
+
+    calls: list[tuple[int, int, int]] = []
+    real = _guard._madvise
+
+    def recording(address, length, advice):
+        calls.append((address, length, advice))
+        return real(address, length, advice) if real is not None else 0
+
+    monkeypatch.setattr(_read, "_COLD", -1.0)
+    monkeypatch.setattr(_guard, "_madvise", recording)
+    return calls
+
+
+def evict(cache_dir) -> None:
+    """Drop data.mdb from the page cache, this process's mapped pages included (so the next reads are cold)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    real = os.path.realpath(cache_dir / "data.mdb")
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and os.path.realpath(fields[5].strip()) == real:
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                assert libc.madvise(lo, hi - lo, 4) == 0  # MADV_DONTNEED: drop the page-table entries
+    fd = os.open(real, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _big_cache(cache_dir, n: int = 24) -> None:
+    ds = CachedDataset(Listed([big_sample(i) for i in range(n)]), cache_dir)
+    for i in range(n):
+        ds[i]
+    ds.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="the prefetch needs /proc/self/maps")
+def test_prefetched_reads_return_the_same_samples_cold_and_warm(cache_dir, advice):
+    """Large values announced to the kernel before they are read come back as stored: first reads, cold, warm."""
+    n = 24
+    _big_cache(cache_dir, n)
+    ds = CachedDataset.open(cache_dir)
+    evict(cache_dir)
+    order = [(7 * i) % n for i in range(n)]
+    for i in order:  # first reads in this process (bounds checked, then announced)
+        assert_same(ds[i], big_sample(i))
+    first = len(advice)  # all but the first read: one read seen cold turns the advice on
+    assert first == n - 1 and all(a == 3 and length >= 3 * 96 * 96 for _, length, a in advice)
+    for _ in range(2):  # verified reads, cold after eviction, then warm
+        evict(cache_dir)
+        for i in order:
+            assert_same(ds[i], big_sample(i))
+        for sample, i in zip(ds.__getitems__(order[:5]), order[:5]):
+            assert_same(sample, big_sample(i))
+    assert len(advice) >= first + 2 * n
+    ds.close()
+
+
+def test_a_damaged_overflow_page_number_is_refused_before_it_is_announced(cache_dir, advice):
+    """A record pointing past the end of data.mdb is refused before any advice or read touches its span."""
+    _big_cache(cache_dir, 8)
+    data = bytearray((cache_dir / "data.mdb").read_bytes())
+    target, size = key(5), len(data)
+    at = data.find(target)
+    while at >= 0:  # the leaf node of index 5: flags F_BIGDATA, an 8-byte key, then the overflow page number
+        if int.from_bytes(data[at - 4 : at - 2], "little") == 1 and int.from_bytes(data[at - 2 : at], "little") == 8:
+            break
+        at = data.find(target, at + 1)
+    assert at > 0
+    data[at + 8 : at + 16] = (size // 4096 + 10).to_bytes(8, "little")
+    (cache_dir / "data.mdb").write_bytes(bytes(data))
+    ds = CachedDataset.open(cache_dir)
+    assert_same(ds[4], big_sample(4))
+    before = len(advice)
+    with pytest.raises(CorruptCacheError, match="index 5"):
+        ds[5]
+    assert len(advice) == before
+    ds.close()
+
+
+def test_the_prefetch_is_a_no_op_without_proc_self_maps_or_madvise(cache_dir, advice, monkeypatch):
+    """Where /proc/self/maps (or libc's madvise) is missing, large values read as before and nothing is advised."""
+    from lmdbcache import _guard
+
+    _big_cache(cache_dir, 6)
+    real_open = open
+
+    def no_proc(path, *args, **kwargs):
+        if str(path).startswith("/proc/"):
+            raise FileNotFoundError(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(_guard, "open", no_proc, raising=False)
+    ds = CachedDataset.open(cache_dir)
+    for _ in range(2):
+        for i in range(6):
+            assert_same(ds[i], big_sample(i))
+    assert advice == []
+    ds.close()
+    monkeypatch.undo()
+    monkeypatch.setattr(_guard, "_madvise", None)
+    ds = CachedDataset.open(cache_dir)
+    for _ in range(2):
+        for i in range(6):
+            assert_same(ds[i], big_sample(i))
+    ds.close()

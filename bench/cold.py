@@ -1,0 +1,186 @@
+"""Cold random reads (issue #14): the cache's pages evicted before every timed pass.
+
+    python -m bench.cold [--reps 3] [--n-big 1500] [--n-small 20000]
+
+Before each cold pass the page cache is emptied of data.mdb (this process's mapping of it
+is dropped with madvise DONTNEED, then posix_fadvise DONTNEED on the file: no root needed)
+and of the baseline file, which holds the same value bytes at the same sizes back to back.
+Each pass reads a random permutation in one process:
+
+- ``lmdbcache-first``: ``ds[i]`` in a freshly opened dataset (the first epoch of a process);
+- ``lmdbcache``: then ``ds[i]`` again, every index verified (the epochs after the first);
+- ``pread``: ``os.pread`` of each value's bytes at its offset in the plain file (the disk's
+  random-read rate at this access size, nothing decoded).
+
+Device bytes per sample come from /proc/self/io ``read_bytes``, against the stored value size.
+Warm passes re-read everything right before the timed pass. Medians over repetitions,
+systems interleaved in every repetition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import lmdb
+
+import lmdbcache
+
+from .workloads import ArrayDataset, tensor_data
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MADV_DONTNEED = 4
+
+
+def read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    return 0
+
+
+def unmap_pages(data_file: str) -> None:
+    """Drop this process's page-table entries for data.mdb (mapped pages survive fadvise DONTNEED)."""
+    real = os.path.realpath(data_file)
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and os.path.realpath(fields[5].strip()) == real:
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                if _libc.madvise(lo, hi - lo, _MADV_DONTNEED) != 0:
+                    raise OSError(ctypes.get_errno(), "madvise")
+
+
+def evict(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd) if os.access(path, os.W_OK) else None
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def timed(run: Callable[[], None], n: int) -> tuple[float, int]:
+    before = read_bytes()
+    start = time.perf_counter()
+    run()
+    elapsed = time.perf_counter() - start
+    return n / elapsed, read_bytes() - before
+
+
+def workload(work: Path, name: str, n: int, shape: tuple[int, ...], reps: int) -> dict:
+    cache_dir = work / f"{name}.lmdb"
+    source = ArrayDataset(tensor_data(n, shape))
+    ds = lmdbcache.CachedDataset(source, cache_dir, map_size=1 << 32)
+    for i in range(n):
+        ds[i]
+    ds.close()
+    # The stored values, written back to back into a plain file (the baseline reads the same sizes).
+    env = lmdb.open(str(cache_dir), readonly=True, lock=False, max_dbs=2)
+    offsets, sizes = [], []
+    plain = work / f"{name}.plain"
+    with env.begin(db=env.open_db(b"samples", create=False)) as txn, open(plain, "wb") as out:
+        for _, value in txn.cursor():
+            offsets.append(out.tell())
+            sizes.append(len(value))
+            out.write(value)
+    env.close()
+    data_file = str(cache_dir / "data.mdb")
+    order = list(range(n))
+
+    fd = os.open(plain, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: the disk's rate at this access size
+
+    def read_cached(ds: lmdbcache.CachedDataset) -> Callable[[], None]:
+        def run() -> None:
+            for i in order:
+                ds[i]
+
+        return run
+
+    def read_plain() -> None:
+        pread = os.pread
+        for i in order:
+            pread(fd, sizes[i], offsets[i])
+
+    cold: dict[str, list[tuple[float, int]]] = {"lmdbcache-first": [], "lmdbcache": [], "pread": []}
+    warm: dict[str, list[float]] = {"lmdbcache": [], "pread": []}
+    for rep in range(reps):
+        random.Random(rep).shuffle(order)
+        # One dataset per repetition, closed at its end: datasets on one path in a process share
+        # one store (and its verified flags), so a second open one would not read "first" again.
+        ds = lmdbcache.CachedDataset.open(cache_dir)
+        assert ds.cached_count == n  # opened: the environment and its metadata are read before timing
+        unmap_pages(data_file)
+        evict(data_file)
+        cold["lmdbcache-first"].append(timed(read_cached(ds), n))  # bounds and checksums checked
+        random.Random(rep + 1000).shuffle(order)
+        unmap_pages(data_file)
+        evict(data_file)
+        cold["lmdbcache"].append(timed(read_cached(ds), n))  # every index verified: the fast path
+        evict(str(plain))
+        cold["pread"].append(timed(read_plain, n))
+        read_cached(ds)()
+        warm["lmdbcache"].append(timed(read_cached(ds), n)[0])
+        read_plain()
+        warm["pread"].append(timed(read_plain, n)[0])
+        ds.close()
+    os.close(fd)
+    value = statistics.median(sizes)
+    out: dict = {"n": n, "value_bytes": value, "cold": {}, "warm": {}}
+    base = statistics.median(r for r, _ in cold["pread"])
+    for key, runs in cold.items():
+        rate = statistics.median(r for r, _ in runs)
+        per = statistics.median(b for _, b in runs) / n
+        out["cold"][key] = {
+            "rate": rate,
+            "spread": (min(r for r, _ in runs), max(r for r, _ in runs)),
+            "ratio": rate / base,
+            "bytes_per_sample": per,
+            "bytes_ratio": per / value,
+        }
+    wbase = statistics.median(warm["pread"])
+    for key, rates in warm.items():
+        out["warm"][key] = {"rate": statistics.median(rates), "ratio": statistics.median(rates) / wbase}
+    return out
+
+
+def show(name: str, result: dict) -> None:
+    print(f"{name}: {result['n']} samples, stored value {result['value_bytes']:,.0f} bytes")
+    for key, r in result["cold"].items():
+        lo, hi = r["spread"]
+        print(
+            f"  cold {key:16s} {r['rate']:9,.0f}/s ({lo:,.0f}-{hi:,.0f})  {r['ratio']:5.2f}x pread  "
+            f"{r['bytes_per_sample']:10,.0f} B read/sample ({r['bytes_ratio']:.2f}x value)"
+        )
+    for key, r in result["warm"].items():
+        print(f"  warm {key:16s} {r['rate']:9,.0f}/s  {r['ratio']:5.2f}x pread")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--n-big", type=int, default=1500)
+    parser.add_argument("--n-small", type=int, default=20000)
+    parser.add_argument("--dir", default=None, help="where the caches go (default: a temporary directory)")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        work = Path(tmp)
+        if args.n_big:
+            show("3x224x224", workload(work, "big", args.n_big, (3, 224, 224), args.reps))
+        if args.n_small:
+            show("3x32x32", workload(work, "small", args.n_small, (3, 32, 32), args.reps))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
