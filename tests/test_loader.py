@@ -516,3 +516,32 @@ def test_memory_does_not_grow_from_epoch_to_epoch(cache_dir):
     epoch_bytes = 8 * batch_bytes  # a leak of every batch would add this per epoch
     assert seen[4][0] - seen[2][0] < epoch_bytes, seen
     assert seen[4][1] - seen[2][1] < epoch_bytes, seen
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_the_loader_and_dataloader_workers_fill_one_cache_at_once(cache_dir, context):
+    """The loader's threads and two DataLoader workers fill one empty cache at once: both see the source's
+    samples, and the cache ends complete with every index equal to its source."""
+    from test_processes import check_cache
+
+    n = 96
+    ds = CachedDataset(Synthetic(n, delay=0.002), cache_dir)
+    workers = DataLoader(ds, batch_size=8, shuffle=True, num_workers=2, multiprocessing_context=context)
+    seen: list[int] = []
+
+    def other() -> None:
+        for _, labels in workers:
+            seen.extend(labels.tolist())
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    with ds.loader(8, shuffle=True, seed=1, num_threads=2) as loader:
+        got = [(images, labels) for images, labels in loader]
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+    assert sorted(seen) == list(range(n))
+    assert sorted(i for _, labels in got for i in labels.tolist()) == list(range(n))
+    for images, labels in got:
+        same(images, torch.stack([sample_for(i)[0] for i in labels.tolist()]))
+    ds.close()
+    check_cache(cache_dir, n)
