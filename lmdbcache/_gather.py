@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import sys
 from typing import Any
 
 import numpy as np
@@ -68,6 +69,9 @@ class Layout:
             at += struct.calcsize("<" + code)
         self.scalars = offsets
         self.sample_bytes = sum(spec[1] for spec in self.tensors) + self.scalar_size
+        # A tensor field of zero bytes has no memory to copy into (numpy refuses a byte view of
+        # it): such batches take default_collate's path.
+        self.has_empty = any(spec[1] == 0 for spec in self.tensors)
         if order is None:
             order = tuple(range(len(tensors))) + tuple(~k for k in range(len(codes)))
         self.order: tuple[int, ...] = tuple(order)
@@ -126,15 +130,28 @@ class Buffers:
         self.column_arrays = [c.numpy() for c in self.columns]
         self.busy = False
         self.event: Any = None  # set by the loader: the slot is reused only once event.query() is True
-        self._base = [self._uses(t) for t in self.tensors + self.columns]
+        # What "no longer referenced" is measured against. Three counts, because each misses a
+        # way of keeping a batch: the storage's use count sees tensors and views (and numpy
+        # arrays of them); the Python storage object's refcount sees `batch.untyped_storage()`
+        # and `batch.storage()` kept alone (torch hands out one cached object per storage);
+        # the data pointer sees `share_memory_()` (a torch.multiprocessing Queue does it),
+        # which moves the storage and frees the memory our copy addresses point into.
+        self._storages = [t.untyped_storage() for t in self.tensors + self.columns]
+        self._pointers = [storage.data_ptr() for storage in self._storages]
+        self._base = [(int(_use_count(st._cdata)), sys.getrefcount(st)) for st in self._storages]
 
-    @staticmethod
-    def _uses(t: torch.Tensor) -> int:
-        return int(_use_count(t.untyped_storage()._cdata))
+    def moved(self) -> bool:
+        """True when a batch of this slot was moved to other memory (``share_memory_``): never reuse it."""
+        return any(st.data_ptr() != ptr for st, ptr in zip(self._storages, self._pointers))
 
     def unused(self) -> bool:
-        """True when no tensor handed out from this slot (or a view of one) is alive anywhere."""
-        return not self.busy and all(self._uses(t) == base for t, base in zip(self.tensors + self.columns, self._base))
+        """True when no tensor, view or storage handed out from this slot is alive anywhere, and it did not move."""
+        if self.busy:
+            return False
+        for storage, (uses, refs) in zip(self._storages, self._base):
+            if int(_use_count(storage._cdata)) != uses or sys.getrefcount(storage) != refs:
+                return False
+        return not self.moved()
 
     def free(self) -> bool:
         """Unused, and the consumer's device copies of its last batch (``event``) are done."""
@@ -211,7 +228,7 @@ def layout_of(mv: Any, index: int, layouts: dict[bytes, Layout]) -> Layout | Non
     key = bytes(mv[25 : 27 + sig])
     layout = layouts.get(key)
     if layout is not None:
-        return layout
+        return None if layout.has_empty else layout
     if _xxh3(mv[24 : 24 + size], index) != structure_hash:
         raise _corrupt(
             index, "the structure checksum does not match: the value is damaged or was stored under another index"
@@ -223,4 +240,4 @@ def layout_of(mv: Any, index: int, layouts: dict[bytes, Layout]) -> Layout | Non
     if len(layouts) >= 64:
         layouts.clear()
     layouts[key] = layout
-    return layout
+    return None if layout.has_empty else layout

@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 import os
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -190,8 +190,7 @@ class CachedDataset(Dataset[Any]):
         Called by a DataLoader whose ``collate_fn`` is ``lmdbcache.collate``, a batch of flat
         samples comes back already collated into shared memory (``lmdbcache._collate``).
         """
-        n = self._length
-        indices = [i if type(i) is int and 0 <= i < n else self._index(i) for i in indices]
+        indices = self.checked_indices(indices)
         store = self._live_store()
         if self.transform is None and wants_batch():
             batch = _batched(store, indices, self._always, self._build)
@@ -214,6 +213,11 @@ class CachedDataset(Dataset[Any]):
         ``copy`` returns, or ``MISSING`` when an index is not cached.
         """
         return self._live_store().read_batch(indices, self._always, self._build, copy)
+
+    def checked_indices(self, indices: Iterable[Any]) -> list[int]:
+        """``indices`` as ints in range, numpy and negative ones resolved as ``ds[i]`` does; IndexError if out."""
+        n = self._length
+        return [i if type(i) is int and 0 <= i < n else self._index(i) for i in indices]
 
     def _index(self, index: Any) -> int:
         try:

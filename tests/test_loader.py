@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -545,3 +546,50 @@ def test_the_loader_and_dataloader_workers_fill_one_cache_at_once(cache_dir, con
         same(images, torch.stack([sample_for(i)[0] for i in labels.tolist()]))
     ds.close()
     check_cache(cache_dir, n)
+
+
+@pytest.mark.parametrize("keep", ["untyped_storage", "storage", "share_memory_"])
+def test_a_batch_kept_by_its_storage_or_moved_to_shared_memory_never_changes(cache_dir, keep):
+    """Keeping only a batch's storage, or moving it to shared memory (what a torch.multiprocessing Queue does),
+    never lets a later batch overwrite it or be written into freed memory (found by the attack)."""
+    ds = warm(CachedDataset(Synthetic(40), cache_dir))
+    expected = reference(ds, 4)
+    kept, got = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # TypedStorage is deprecated; users still call storage()
+        with ds.loader(4, prefetch=1) as loader:
+            for images, labels in loader:
+                if keep == "share_memory_":  # then dropped: its slot must not be reused through stale addresses
+                    images.share_memory_()
+                    labels.share_memory_()
+                    got.append([images.clone(), labels.clone()])
+                else:
+                    kept.append((getattr(images, keep)(), bytes(images.numpy()[:, :1, :1, :1])))
+                    got.append([images.clone(), labels.clone()])
+    for a, b in zip(got, expected):
+        same(a, b)
+    for storage, first_bytes in kept:
+        assert bytes(torch.tensor([], dtype=torch.uint8).set_(storage.untyped() if keep == "storage" else storage)
+                     .numpy()[:: 3 * 8 * 8][:4]) == first_bytes  # fmt: skip
+
+
+def test_samples_with_an_empty_tensor_batch_as_in_dataloader(cache_dir):
+    """A flat sample holding a zero-byte tensor batches like default_collate, cold and warm (found by the attack)."""
+    ds = CachedDataset(Listed([(torch.empty(0, 3), i) for i in range(8)]), cache_dir)
+    for _ in range(2):  # cold (filled through the loader), then warm
+        with ds.loader(4) as loader:
+            same(list(loader), reference(ds, 4))
+        ds.flush()
+    ds.close()
+
+
+def test_sampler_indices_are_resolved_as_dataloader_does(cache_dir):
+    """Negative and tensor indices from a sampler read what DataLoader reads; out-of-range ones raise IndexError."""
+    ds = warm(CachedDataset(Synthetic(8), cache_dir))
+    for sampler in ([-1, 0, -8], [torch.tensor(3), 1]):
+        with ds.loader(2, sampler=sampler) as loader:
+            same(list(loader), list(DataLoader(ds, 2, sampler=sampler)))
+    for sampler in ([7, 8], [0, 2**64]):
+        with ds.loader(2, sampler=sampler) as loader, pytest.raises(IndexError, match="out of range"):
+            list(loader)
+    ds.close()
