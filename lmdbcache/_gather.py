@@ -138,7 +138,15 @@ class Buffers:
         # which moves the storage and frees the memory our copy addresses point into.
         self._storages = [t.untyped_storage() for t in self.tensors + self.columns]
         self._pointers = [storage.data_ptr() for storage in self._storages]
-        self._base = [(int(_use_count(st._cdata)), sys.getrefcount(st)) for st in self._storages]
+        self._base = self._counts()
+
+    def _counts(self) -> list[tuple[int, int]]:
+        """Each storage's (use count, refcount), taken the same way every time (a zip or enumerate
+        in between would hold one more reference in its reused result tuple)."""
+        storages, counts = self._storages, []
+        for k in range(len(storages)):
+            counts.append((int(_use_count(storages[k]._cdata)), sys.getrefcount(storages[k])))
+        return counts
 
     def moved(self) -> bool:
         """True when a batch of this slot was moved to other memory (``share_memory_``): never reuse it."""
@@ -146,12 +154,7 @@ class Buffers:
 
     def unused(self) -> bool:
         """True when no tensor, view or storage handed out from this slot is alive anywhere, and it did not move."""
-        if self.busy:
-            return False
-        for storage, (uses, refs) in zip(self._storages, self._base):
-            if int(_use_count(storage._cdata)) != uses or sys.getrefcount(storage) != refs:
-                return False
-        return not self.moved()
+        return not self.busy and self._counts() == self._base and not self.moved()
 
     def free(self) -> bool:
         """Unused, and the consumer's device copies of its last batch (``event``) are done."""
