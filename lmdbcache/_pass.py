@@ -100,6 +100,8 @@ class Pass:
                 return self.out.get(timeout=0.1)
             except queue.Empty:
                 if not self.planner.is_alive() and self.out.empty():
+                    if self.stopping.is_set():  # close() from another thread: the pass ends here
+                        return RuntimeError("lmdbcache.Loader was closed while this pass was running.")
                     return RuntimeError("lmdbcache.Loader: the planner thread ended without a batch")
 
     def stop(self) -> None:
