@@ -27,6 +27,7 @@ from torch.utils.data._utils.collate import default_collate
 from torch.utils.data._utils.pin_memory import pin_memory as pin_batch
 
 from ._gather import Buffers, Layout, layout_of
+from .errors import add_note
 from .store import MISSING
 
 if TYPE_CHECKING:
@@ -139,7 +140,7 @@ class Pass:
                 if transform is not None:
                     batch = transform(batch)
             except BaseException as exc:  # re-raised in the consumer
-                _note(exc, f"lmdbcache.Loader: raised loading batch {k} of epoch {self.epoch} (indices {indices})")
+                add_note(exc, f"lmdbcache.Loader: raised loading batch {k} of epoch {self.epoch} (indices {indices})")
                 self._put(exc)
                 return
             if not self._put((batch, slots)):
@@ -218,7 +219,7 @@ def one_by_one(ds: CachedDataset, indices: list[int], seeds: tuple[int, int] | N
                 with _seeded(*seeds, index):
                     out.append(ds[index])
         except Exception as exc:
-            _note(exc, f"lmdbcache.Loader: raised by the dataset (or its transform) at index {index}")
+            add_note(exc, f"lmdbcache.Loader: raised by the dataset (or its transform) at index {index}")
             raise
     return out
 
@@ -238,8 +239,3 @@ def _seeded(seed: int, epoch: int, index: int) -> Iterator[None]:
             torch.default_generator.set_state(saved[0])
             np.random.set_state(saved[1])
             random.setstate(saved[2])
-
-
-def _note(exc: BaseException, text: str) -> None:
-    if hasattr(exc, "add_note"):  # Python 3.11+
-        exc.add_note(text)

@@ -73,15 +73,7 @@ class ReadPath(Handle):
             verified = self._verified
             if verified is not None and index < len(verified) and (mark := verified[index]):
                 try:
-                    if mark == 1:
-                        raw = txn.get(_KEY(index))
-                    elif self._cold_left > 0:
-                        raw = self._large(txn, index)
-                    else:  # a large value while reads are warm: a plain get, timed (see _large)
-                        start = _clock()
-                        raw = txn.get(_KEY(index))
-                        if _clock() - start > _COLD:
-                            self._cold_left = _COLD_RUN
+                    raw = txn.get(_KEY(index)) if mark == 1 else self._large(txn, index)
                 except lmdb.Error as exc:
                     raise self._read_failure(exc, index) from exc
                 if raw is not None:

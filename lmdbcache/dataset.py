@@ -19,7 +19,7 @@ from ._commit import Policy
 from ._diff import first_difference
 from ._options import check_options, parse_size
 from .codec import decode, encode
-from .errors import CacheMismatchError, CorruptSampleError, InvalidOptionError, SampleNotCachedError
+from .errors import CacheMismatchError, CorruptSampleError, InvalidOptionError, SampleNotCachedError, add_note
 from .store import MISSING, Store
 
 if TYPE_CHECKING:
@@ -276,14 +276,14 @@ class CachedDataset(Dataset[Any]):
             try:
                 return list(getitems(indices))
             except Exception as exc:
-                _note(exc, f"lmdbcache: raised by the source dataset's __getitems__ for indices {indices}")
+                add_note(exc, f"lmdbcache: raised by the source dataset's __getitems__ for indices {indices}")
                 raise
         raws = []
         for i in indices:
             try:
                 raws.append(source[i])
             except Exception as exc:
-                _note(exc, f"lmdbcache: raised by the source dataset reading index {i} (cache '{self.path}')")
+                add_note(exc, f"lmdbcache: raised by the source dataset reading index {i} (cache '{self.path}')")
                 raise
         return raws
 
@@ -376,8 +376,3 @@ class CachedDataset(Dataset[Any]):
     def __repr__(self) -> str:
         source = "no source" if self.dataset is None else type(self.dataset).__name__
         return f"CachedDataset('{self.path}', {self._length} samples, {source})"
-
-
-def _note(exc: BaseException, text: str) -> None:
-    if hasattr(exc, "add_note"):  # Python 3.11+
-        exc.add_note(text)

@@ -106,3 +106,9 @@ class SourceItemError(LmdbCacheError, RuntimeError):
 
 class LmdbCacheWarning(UserWarning):
     """A situation that works but that the user should know about (e.g. a network filesystem)."""
+
+
+def add_note(exc: BaseException, text: str) -> None:
+    """``exc.add_note(text)`` where Python has it (3.11+): where an error came from, for the traceback."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(text)
