@@ -318,7 +318,8 @@ class CachedDataset(Dataset[Any]):
 
         See ``lmdbcache.Loader`` for the options (shuffle, seed, drop_last, sampler,
         batch_sampler, num_threads, prefetch, rank, world_size, batch_transform, pin_memory,
-        record_event, seed_transforms), the order, and resuming with ``state_dict``.
+        record_event, seed_transforms, num_workers, multiprocessing_context), the order, and
+        resuming with ``state_dict``.
         """
         from .loader import Loader  # lazy: keeps `import lmdbcache` light
 
