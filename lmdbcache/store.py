@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lmdb
@@ -285,11 +287,26 @@ class Store(ReadPath, WritePath):
 
     def copy_to(self, path: str) -> None:
         """LMDB's compacting copy of one consistent snapshot into the empty directory ``path``."""
-        with self._lock:
+        with self.reading_ahead(), self._lock:
             try:
                 (self._env or self._env_or_open()).copy(path, compact=True)
             except lmdb.Error as exc:
                 raise write_failure(exc, path, "the copy was abandoned") from exc
+
+    @contextmanager
+    def reading_ahead(self) -> Iterator[None]:
+        """Kernel readahead on this process's map for a scan in key order (``_guard.MapGuard.sequential``)."""
+        with self._lock:
+            self._env or self._env_or_open()
+            guard = self._guard
+        if guard is None:
+            yield
+            return
+        guard.sequential(True)
+        try:
+            yield
+        finally:
+            guard.sequential(False)
 
     # ------------------------------------------------------------------ closing
 

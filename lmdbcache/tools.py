@@ -392,7 +392,7 @@ def _common_dataset(shard_paths: list[str]) -> dict[str, Any]:
 def _merge_shard(path: str, target: Store, build: str, length: int, batch: int, progress: Progress) -> tuple[int, int]:
     """Copy every value of the shard at ``path`` into ``target``, ``batch`` at a time; (written, already there)."""
     written = skipped = 0
-    with _registry.opened(path) as source:
+    with _registry.opened(path) as source, source.reading_ahead():
         values = source.iter_raw(chunk=batch)
         while pending := list(itertools.islice(values, batch)):
             for index, value in pending:

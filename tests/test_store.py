@@ -495,3 +495,34 @@ def test_the_prefetch_is_a_no_op_without_proc_self_maps_or_madvise(cache_dir, ad
         for i in range(6):
             assert_same(ds[i], big_sample(i))
     ds.close()
+
+
+def _map_flags(cache_dir) -> set[str]:
+    """The VmFlags of this process's first mapping of data.mdb, where the file's pages are (rr: random-read
+    advice, sr: sequential)."""
+    real, inside = os.path.realpath(cache_dir / "data.mdb"), False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) >= 5 and "-" in fields[0] and ":" in fields[3]:  # a mapping's header line
+                inside = len(fields) == 6 and os.path.realpath(fields[5].strip()) == real
+            elif inside and line.startswith("VmFlags:"):
+                return set(line.split()[1:])
+    return set()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the mapping's advice from smaps")
+def test_scans_read_ahead_and_restore_random_advice(cache_dir):
+    """reading_ahead (verify, merge, copy) turns the map's readahead on for the scan and back off after it;
+    the scan reads what random reads read."""
+    _big_cache(cache_dir, 8)
+    with _registry.opened(str(cache_dir)) as store:
+        store.meta()  # opens the environment (it maps data.mdb)
+        assert "rr" in _map_flags(cache_dir)  # LMDB's readahead=False
+        with store.reading_ahead():
+            flags = _map_flags(cache_dir)
+            assert "sr" in flags and "rr" not in flags
+            scanned = dict(store.iter_raw())
+        assert "rr" in _map_flags(cache_dir) and "sr" not in _map_flags(cache_dir)
+        assert sorted(scanned) == list(range(8))
+        assert all(scanned[i] == store.raw(i) for i in range(8))
