@@ -259,7 +259,7 @@ def key(index: int) -> bytes:
     return index.to_bytes(8, "big")
 
 
-def golden_samples(version: int = 1) -> list[Any]:
+def golden_samples(version: int | str = 1) -> list[Any]:
     """What tests/data/golden-v<version> holds, from the script that wrote it (tests/data/make_golden.py)."""
     import importlib.util
 

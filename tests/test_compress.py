@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import Compressible, assert_same, compressible_for, key, raw_cache
+from helpers import Compressible, assert_same, compressible_for, golden_samples, key, raw_cache
 from hypothesis import given, settings
 from strategies import samples, tensors
 from test_cli import _flip_in_file, cli
@@ -284,3 +286,19 @@ def test_cli_precompute_compress_option(cache_dir):
     check_cache(cache_dir, 8)
     result = cli("precompute", SPEC, str(cache_dir), "--compress", "gzip", check=2)
     assert "argument --compress: 'gzip' is not lz4 or zstd" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_golden_compressed_cache_still_reads(tmp_path):
+    """tests/data/golden-v3-zstd (written by format 3 with compress="zstd") decodes to exactly its samples."""
+    copy = tmp_path / "golden"
+    copy.mkdir()
+    shutil.copy(Path(__file__).parent / "data" / "golden-v3-zstd" / "data.mdb", copy / "data.mdb")
+    expected = golden_samples("3-zstd")
+    with raw_cache(copy, write=False) as (txn, samples, _):
+        versions = [txn.get(key(i), db=samples)[3] for i in range(len(expected))]
+    assert versions[-2:] == [3, 3] and set(versions[:-2]) == {2}  # only the last two pay to compress
+    ds = CachedDataset.open(copy)
+    assert tools.info(copy).compress == "zstd:3" and len(ds) == len(expected) and ds.is_complete
+    for i, sample in enumerate(expected):
+        assert_same(ds[i], sample)
+    ds.close()
