@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import Compressible, assert_same, compressible_for, golden_samples, key, raw_cache
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from strategies import samples, tensors
 from test_cli import _flip_in_file, cli
 from test_processes import run_script, wait_for_count
@@ -302,3 +303,22 @@ def test_golden_compressed_cache_still_reads(tmp_path):
     for i, sample in enumerate(expected):
         assert_same(ds[i], sample)
     ds.close()
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_damaged_compressed_values_never_decode_wrong(codec, data):
+    """Bytes of a framed value overwritten or cut at random: CorruptSampleError, or (bytes unused) the same sample."""
+    sample = {"pad": PAD, "t": (torch.arange(3000, dtype=torch.int16) % 11, 2)}
+    value = bytearray(framed(sample, codec))
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, len(value) - 1))
+        value[at] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        del value[data.draw(st.integers(0, len(value) - 1)) :]
+    try:
+        out = decode(bytes(value), 7)
+    except CorruptSampleError:
+        return
+    assert_same(out, sample)
