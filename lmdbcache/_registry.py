@@ -70,6 +70,8 @@ def open_store(
     fingerprint: str | None = None,
     overwrite: bool = False,
     create: bool = True,
+    compress: str | None = None,
+    compress_level: int | None = None,
     **options: Any,
 ) -> tuple[Store, dict[str, Any]]:
     """This process's Store for ``path``, initialized (``Store.initialize``), and the cache's metadata.
@@ -79,7 +81,14 @@ def open_store(
     """
     store = acquire(path, **options)
     try:
-        meta = store.initialize(length=length, fingerprint=fingerprint, overwrite=overwrite, create=create)
+        meta = store.initialize(
+            length=length,
+            fingerprint=fingerprint,
+            overwrite=overwrite,
+            create=create,
+            compress=compress,
+            compress_level=compress_level,
+        )
     except BaseException:
         release(store)
         raise

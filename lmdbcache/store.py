@@ -43,7 +43,7 @@ from typing import Any
 
 import lmdb
 
-from . import _fs, _metadata
+from . import _compress, _fs, _metadata
 from ._commit import CommitQueue, Policy
 from ._env import MAX_MAP
 from ._fs import DATA_FILE, LOCK_FILE, WRITE_LOCK
@@ -118,14 +118,17 @@ class Store(ReadPath, WritePath):
         fingerprint: str | None,
         overwrite: bool = False,
         create: bool = True,
+        compress: str | None = None,
+        compress_level: int | None = None,
     ) -> dict[str, Any]:
         """Open the cache, creating it or checking it against the dataset; return its metadata.
 
         ``length``/``fingerprint`` of None skip that check (a cache opened without its
-        source). With ``overwrite`` an existing cache is emptied (in place, so other
-        processes keep valid handles) or, if it is not a readable lmdbcache cache, its
-        LMDB files are replaced. Files that are not ours are never touched. On error
-        nothing stays open.
+        source). ``compress`` (checked by ``_compress.check``) is what a new build compresses
+        with; an existing build with another setting is refused, and None takes its own.
+        With ``overwrite`` an existing cache is emptied (in place, so other processes keep
+        valid handles) or, if it is not a readable lmdbcache cache, its LMDB files are replaced.
+        Files that are not ours are never touched. On error nothing stays open.
         """
         with self._lock:
             if overwrite:
@@ -140,7 +143,9 @@ class Store(ReadPath, WritePath):
             self._close_env()  # another dataset in this process may have it open: start clean
             previous = self.build
             try:
-                meta, raw = self._initialize(length, fingerprint, overwrite, create)
+                meta, raw = self._initialize(length, fingerprint, overwrite, create, (compress, compress_level))
+                _metadata.check_compression(meta, self.path, compress, compress_level)
+                self._require_codec(meta)
             except BaseException:
                 self._close_env()
                 raise
@@ -150,13 +155,18 @@ class Store(ReadPath, WritePath):
             return meta
 
     def _initialize(
-        self, length: int | None, fingerprint: str | None, overwrite: bool, create: bool
+        self,
+        length: int | None,
+        fingerprint: str | None,
+        overwrite: bool,
+        create: bool,
+        compress: tuple[str | None, int | None],
     ) -> tuple[dict[str, Any], bytes]:
         self._make_dir(create)
         _fs.warn_if_network_fs(self.path)
         if not _fs.writable(self.path):
             return self._open_readonly(length, fingerprint, overwrite)
-        return self._open_writable(length, fingerprint, overwrite)
+        return self._open_writable(length, fingerprint, overwrite, compress)
 
     def _make_dir(self, create: bool) -> None:
         """Refuse a file as the path, or a missing cache when not creating one; create the directory."""
@@ -199,7 +209,7 @@ class Store(ReadPath, WritePath):
         return _metadata.check(found[0], self.path, length, fingerprint), found[1]
 
     def _open_writable(
-        self, length: int | None, fingerprint: str | None, overwrite: bool
+        self, length: int | None, fingerprint: str | None, overwrite: bool, compress: tuple[str | None, int | None]
     ) -> tuple[dict[str, Any], bytes]:
         """Create, check, upgrade or (``overwrite``) rebuild the cache, under the write lock."""
         path = self.path
@@ -225,15 +235,17 @@ class Store(ReadPath, WritePath):
                         f"There is no lmdbcache cache at '{path}' to open without a dataset. Build it first "
                         "(`lmdbcache precompute`, or CachedDataset with the source dataset)."
                     )
-                return self._write_meta(env, length, fingerprint or "")
+                return self._write_meta(env, length, fingerprint or "", *_compress.check(*compress))
             meta = _metadata.check(found[0], self.path, length, fingerprint)
             if length is not None and meta["format_version"] < FORMAT_VERSION:
                 return self._upgrade_meta(env, meta)  # this process may add values: they are this format's
             return found
 
-    def _write_meta(self, env: lmdb.Environment, length: int, fingerprint: str) -> tuple[dict[str, Any], bytes]:
+    def _write_meta(
+        self, env: lmdb.Environment, length: int, fingerprint: str, codec: str | None, level: int
+    ) -> tuple[dict[str, Any], bytes]:
         """Start a new build: empty the samples and write new metadata, in one transaction."""
-        meta, raw = _metadata.new(length, fingerprint)
+        meta, raw = _metadata.new(length, fingerprint, codec, level)
         try:
             with env.begin(write=True) as txn:
                 txn.drop(self._samples, delete=False)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from . import _registry
+from . import _metadata, _registry
 from ._scan import decode_problem
 from ._verify import Progress, VerifyResult, verify
 from .errors import CacheMismatchError, CorruptCacheError, CorruptSampleError, LmdbCacheError, NotACacheError
@@ -50,6 +50,7 @@ class CacheInfo:
     created: str | None
     size_bytes: int
     map_size: int
+    compress: str | None = None  # "zstd:3", "lz4:0" or None: what the build compresses buffers with
 
     # Deprecated: ``info`` returned a dict before it returned this, and ``info(path)["cached"]``
     # (or ``.get``) keeps working for code written then. Use the attributes.
@@ -81,7 +82,13 @@ def info(path: str | os.PathLike[str]) -> CacheInfo:
         created=meta.get("created"),
         size_bytes=os.path.getsize(os.path.join(store.path, DATA_FILE)),
         map_size=env_info["map_size"],
+        compress=_compression_label(meta),
     )
+
+
+def _compression_label(meta: dict[str, Any]) -> str | None:
+    codec, level = _metadata.compression(meta)
+    return None if codec is None else f"{codec}:{level}"
 
 
 # ---------------------------------------------------------------------- warm
@@ -330,8 +337,9 @@ def merge(
 ) -> MergeResult:
     """Merge shard caches of one dataset into ``out`` (created if missing).
 
-    Every shard must have the same fingerprint and length as the others (and as ``out`` if
-    it exists); a shard listed twice, or ``out`` listed as a shard, is refused. Every value
+    Every shard must have the same fingerprint, length and compression setting as the others
+    (and as ``out`` if it exists; a new ``out`` takes the shards' setting); a shard listed
+    twice, or ``out`` listed as a shard, is refused. Every value
     is verified (checksums bound to its index; nothing in it is executed) and copied byte
     for byte; indices already in ``out`` are skipped.
     """
@@ -340,9 +348,21 @@ def merge(
     shard_paths = _distinct_shards(out_path, [os.path.abspath(os.fspath(s)) for s in shards])
     first = _common_dataset(shard_paths)
     length, written, skipped = first["length"], 0, 0
+    codec, level = _metadata.compression(first)
     target, meta = _registry.open_store(
-        out_path, length=length, fingerprint=first["fingerprint"], map_size=max(64 << 20, _total_size(shard_paths))
+        out_path,
+        length=length,
+        fingerprint=first["fingerprint"],
+        map_size=max(64 << 20, _total_size(shard_paths)),
+        compress=codec,
+        compress_level=level if codec else None,
     )
+    if codec is None and _metadata.compression(meta)[0] is not None:
+        _registry.release(target)
+        raise CacheMismatchError(
+            f"Cache '{out_path}' is compressed ({_compression_label(meta)}) and the shards are not; merge them into "
+            "a cache with their setting (another path, or rebuild it)."
+        )
     try:
         for path in shard_paths:
             added, present = _merge_shard(path, target, meta["cache_id"], length, batch, progress)
@@ -385,6 +405,12 @@ def _common_dataset(shard_paths: list[str]) -> dict[str, Any]:
                 f"Shard '{path}' belongs to another dataset (fingerprint '{meta['fingerprint']}', length "
                 f"{meta['length']}) than '{first_path}' ('{first['fingerprint']}', {first['length']}). "
                 "Merge only shards built from one dataset."
+            )
+        if _metadata.compression(meta) != _metadata.compression(first):
+            raise CacheMismatchError(
+                f"Shard '{path}' is compressed with {_compression_label(meta) or 'nothing'} and '{first_path}' with "
+                f"{_compression_label(first) or 'nothing'}. Merge only shards built with one compress= setting "
+                "(rebuild one of them with the other's)."
             )
     return first
 

@@ -287,8 +287,8 @@ def test_unreadable_metadata_is_a_clear_error(cache_dir):
         CachedDataset.open(cache_dir)
 
 
-def test_format_1_cache_is_filled_in_format_2_and_still_reads(tmp_path):
-    """Opening a format-1 cache with its source marks it format 2 (same build); old and new values both read."""
+def test_format_1_cache_is_filled_in_the_current_format_and_still_reads(tmp_path):
+    """Opening a format-1 cache with its source marks it format 3 (same build); old and new values both read."""
     copy = tmp_path / "golden"
     copy.mkdir()
     shutil.copy(GOLDEN / "data.mdb", copy / "data.mdb")
@@ -301,7 +301,8 @@ def test_format_1_cache_is_filled_in_format_2_and_still_reads(tmp_path):
     source = Listed(expected)
     ds = CachedDataset(source, copy, fingerprint="golden")
     meta = ds._live_store().meta()
-    assert meta["format_version"] == lmdbcache.FORMAT_VERSION == 2 and meta["upgraded_from"] == 1
+    assert meta["format_version"] == lmdbcache.FORMAT_VERSION == 3 and meta["upgraded_from"] == 1
+    assert "compress" not in meta  # an upgraded cache stores values as they are encoded
     time.sleep(0.3)
     for i, sample in enumerate(expected):
         assert_same(reader[i], sample)  # the reader was not told the cache was rebuilt: it was not
