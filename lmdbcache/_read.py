@@ -6,7 +6,7 @@ a cursor lookup, and ``codec.decode`` with its one copy out of the map. The valu
 structure and its binding to the index are checked on every read; its record's bounds
 (``_guard``) and its data checksum the first time this process reads the index
 (``checksum="once"``, one flag byte per index), or the data checksum on every read
-(``"always"``). While reads are seen to be cold (one took over ``_COLD`` seconds), a large
+(``"always"``). While reads are seen to be cold (two in a row took over ``_COLD`` seconds), a large
 value (``_guard.PREFETCH_MIN`` bytes or more; flag byte 2 once verified) is looked up with a
 cursor and announced to the kernel before it is touched, so it is read in one I/O rather than
 a page fault per 4 KiB (issue #14). Warm, the advice would cost a 147 KiB read half its speed
@@ -53,6 +53,7 @@ class ReadPath(Handle):
     """Reading samples and scanning keys (see the module docstring). Every public method takes the lock."""
 
     _cold_left = 0  # large reads still to prefetch (reads were seen cold); 0: plain reads, timed
+    _slow = 0  # large reads in a row slower than _COLD
 
     def get(self, index: int, always: bool = False, build: str | None = None) -> Any:
         """The decoded sample at ``index`` of the build ``build``, or ``MISSING``. The hot path: kept flat.
@@ -148,11 +149,21 @@ class ReadPath(Handle):
         return raw
 
     def _saw(self, elapsed: float) -> None:
-        """Count a large read that took ``elapsed`` seconds toward the cold/warm decision."""
+        """Count a large read that took ``elapsed`` seconds toward the cold/warm decision.
+
+        Two slow reads in a row turn the advice on: one alone is as often a wait for the GIL
+        (py-lmdb touches the value's pages with the GIL released, then takes it back) as a
+        read from the disk; on warm data under the loader's copy threads single slow reads
+        turned it on 380-900 times an epoch (bench/profile_loader.py).
+        """
         if elapsed > _COLD:
-            self._cold_left = _COLD_RUN
-        elif self._cold_left > 0:
-            self._cold_left -= 1
+            self._slow += 1
+            if self._slow >= 2:
+                self._cold_left = _COLD_RUN
+        else:
+            self._slow = 0
+            if self._cold_left > 0:
+                self._cold_left -= 1
 
     def get_many(self, indices: list[int], always: bool = False, build: str | None = None) -> list[Any]:
         """Decode a batch of the build ``build`` in one read transaction; misses come back as ``MISSING``."""
