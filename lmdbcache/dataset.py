@@ -98,6 +98,10 @@ class CachedDataset(Dataset[Any]):
             random cached indices and compare them with the cache; a difference (changed
             preprocessing, another subset) raises ``CacheMismatchError``. 0 turns it off.
             Done once, here, never in DataLoader workers.
+        sync: fsync every commit. Default False: commits reach the disk when the kernel
+            writes them back and at ``close()``; a killed process loses nothing committed,
+            and a cache left unsynced by a machine crash is rebuilt when next opened (see
+            the README's Durability).
     """
 
     def __init__(
@@ -115,6 +119,7 @@ class CachedDataset(Dataset[Any]):
         commit_interval: float = 1.0,
         checksum: str = "once",
         spot_check: int = 2,
+        sync: bool = False,
     ) -> None:
         check_options(
             map_size=map_size,
@@ -125,12 +130,14 @@ class CachedDataset(Dataset[Any]):
             checksum=checksum,
             fingerprint=fingerprint,
         )
+        if type(sync) is not bool:
+            raise InvalidOptionError(f"sync must be True or False, not {sync!r}.")
         if type(spot_check) is not int or spot_check < 0:
             raise InvalidOptionError(f"spot_check must be an integer >= 0 (0 turns it off), not {spot_check!r}.")
         self.dataset = dataset
         self.path = os.path.abspath(os.fspath(path))
         self.transform = transform
-        self._options = dict(map_size=map_size, max_readers=max_readers)
+        self._options: dict[str, Any] = dict(map_size=map_size, max_readers=max_readers, sync=sync)
         self._policy = Policy(commit_every, parse_size(commit_bytes, "commit_bytes"), commit_interval)
         self._always = checksum == "always"
         self._open(fingerprint, overwrite, spot_check)
