@@ -115,7 +115,7 @@ class CachedDataset(Dataset[Any]):
         max_readers: int = 1024,
         overwrite: bool = False,
         commit_every: int = 256,
-        commit_bytes: int = 64 << 20,
+        commit_bytes: int = 8 << 20,
         commit_interval: float = 1.0,
         checksum: str = "once",
         spot_check: int = 2,
