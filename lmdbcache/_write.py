@@ -152,12 +152,15 @@ class WritePath(Handle):
             )
 
     def delete(self, keys: Iterable[int]) -> int:
-        """Delete the given indices (used by ``verify --repair``); returns how many existed."""
+        """Delete the given indices (used by ``verify --repair``); returns how many existed. Synced: it is rare."""
         with self._lock:
             env = self._env or self._env_or_open()
             try:
-                with self._write_lock(), env.begin(write=True) as txn:
-                    self._check_cache_id(txn)
-                    return sum(txn.delete(_KEY(k), db=self._samples) for k in keys)
+                with self._write_lock():
+                    with env.begin(write=True) as txn:
+                        self._check_cache_id(txn)
+                        deleted = sum(txn.delete(_KEY(k), db=self._samples) for k in keys)
+                    env.sync(True)
+                    return deleted
             except lmdb.Error as exc:
                 raise write_failure(exc, self.path, "nothing was deleted") from exc

@@ -260,6 +260,7 @@ class Store(ReadPath, WritePath):
             with env.begin(write=True) as txn:
                 txn.drop(self._samples, delete=False)
                 txn.put(_metadata.KEY, raw, db=self._meta_db)
+            env.sync(True)  # rare, and what every later commit builds on: never left to the writeback
         except lmdb.Error as exc:
             raise write_failure(exc, self.path, "the cache was not created or rebuilt") from exc
         return meta, raw
@@ -270,6 +271,7 @@ class Store(ReadPath, WritePath):
         try:
             with env.begin(write=True) as txn:
                 txn.put(_metadata.KEY, raw, db=self._meta_db)
+            env.sync(True)
         except lmdb.Error as exc:
             raise write_failure(exc, self.path, "the metadata was not updated; nothing was lost") from exc
         return meta, raw
