@@ -50,8 +50,11 @@ class Handle:
         map_size: int = 64 * MIB,
         max_readers: int = 1024,
         checksum: str = "once",
+        sync: bool = False,
     ) -> None:
         self.path = path
+        self.sync = sync  # fsync every commit (else once, at close; see _fs on the unsynced marker)
+        self._unsynced = False  # this process committed without a sync since the last one
         self.checksum = checksum  # the default for reads that do not say (tools)
         self.map_size = min(parse_size(map_size), MAX_MAP)
         self.max_readers = int(max_readers)

@@ -11,8 +11,8 @@ value (``_guard.PREFETCH_MIN`` bytes or more; flag byte 2 once verified) is look
 cursor and announced to the kernel before it is touched, so it is read in one I/O rather than
 a page fault per 4 KiB (issue #14). Warm, the advice would cost a 147 KiB read half its speed
 (a syscall walking 37 cached pages), so after ``_COLD_RUN`` fast reads it stops again.
-A miss is looked up again in a fresh snapshot and in this process's commit queue before it
-is reported ``MISSING``.
+A miss is looked up again in a fresh snapshot (unless the read already began one: a miss
+costs one read transaction) and in this process's commit queue before it is reported ``MISSING``.
 """
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ class ReadPath(Handle):
             if build is not self.build and build is not None and build != self.build:
                 raise self.mismatch(build)
             txn = self._rtxn
+            fresh = False  # whether this call began the snapshot (then a miss needs no second look)
             if txn is None or _monotonic() >= self._rtxn_expires:
-                txn = self._reader()
+                txn, fresh = self._reader(), True
             verified = self._verified
             if verified is not None and index < len(verified) and (mark := verified[index]):
                 try:
@@ -85,7 +86,7 @@ class ReadPath(Handle):
             else:
                 raw = self._fetch(txn, index)
             if raw is None:
-                return self._get_fresh([index], always)[0]
+                return self._queued(index, always) if fresh else self._get_fresh([index], always)[0]
             return self._decode(raw, index, always)
         finally:
             lock.release()
@@ -170,6 +171,7 @@ class ReadPath(Handle):
         with self._lock:
             if build is not None and build != self.build:
                 raise self.mismatch(build)
+            fresh = self._rtxn is None or _monotonic() >= self._rtxn_expires
             txn = self._reader()
             value, decode, verified = self._value, self._decode, self._verified
             out = []
@@ -178,7 +180,9 @@ class ReadPath(Handle):
                 out.append(MISSING if raw is None else decode(raw, index, always))
             misses = [k for k, sample in enumerate(out) if sample is MISSING]
             if misses:
-                for k, sample in zip(misses, self._get_fresh([indices[k] for k in misses], always)):
+                missed = [indices[k] for k in misses]
+                found = [self._queued(i, always) for i in missed] if fresh else self._get_fresh(missed, always)
+                for k, sample in zip(misses, found):
                     out[k] = sample
         return out
 
@@ -236,6 +240,17 @@ class ReadPath(Handle):
             return txn.get(_KEY(index)) if verified_before == 1 else self._large(txn, index)
         except lmdb.Error as exc:
             raise self._read_failure(exc, index) from exc
+
+    def _queued(self, index: int, always: bool) -> Any:
+        """A miss in a snapshot begun under this same hold of the lock: only this process's queue can hold it.
+
+        The snapshot already shows every commit up to now (this process's own included: a
+        batch leaves the queue only once committed, under this lock), so looking again in a
+        new one would find nothing more: one read transaction per miss instead of two.
+        """
+        self._drop_reader()  # as after any miss: while filling, a kept snapshot only pins pages
+        raw = self._queue.lookup(index)
+        return MISSING if raw is None else self._decode(raw, index, always)
 
     def _get_fresh(self, indices: list[int], always: bool) -> list[Any]:
         """Look misses up again in a new snapshot, then in this process's queue. Holds self._lock."""

@@ -56,7 +56,11 @@ def acquire(path: str, **options: Any) -> Store:
         store.refs += 1
     if not created:
         try:
-            store.reconcile(options.get("map_size", store.map_size), options.get("max_readers", store.max_readers))
+            store.reconcile(
+                options.get("map_size", store.map_size),
+                options.get("max_readers", store.max_readers),
+                options.get("sync", False),
+            )
         except BaseException:
             release(store)
             raise

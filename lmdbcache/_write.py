@@ -5,7 +5,9 @@ transaction per batch, under the inter-process file lock ``lmdbcache.lock``. A k
 written twice (``overwrite=False``): when two processes decode one index, the first commit
 wins. Every write transaction first checks the cache still holds the build this process
 adopted, so samples of a replaced build never reach a new one. A commit that does not fit
-grows the map and re-puts every record of the batch, never just the last one.
+grows the map and re-puts every record of the batch, never just the last one. Commits are
+not fsynced unless the store's ``sync`` asks (``_fs`` says why and what keeps that safe);
+``sync_file`` syncs them all at once.
 """
 
 from __future__ import annotations
@@ -90,6 +92,8 @@ class WritePath(Handle):
                 env = self._env or self._env_or_open()
                 self._maybe_reader_check(env)
                 self._reserve(env, need)
+            # The marker goes down (fsynced) before any byte of an unsynced commit: see _fs.
+            durable = self.sync or not _fs.mark_unsynced(self.path)
             for _ in range(64):
                 try:
                     written = 0
@@ -98,6 +102,10 @@ class WritePath(Handle):
                         put, db = txn.put, self._samples
                         for key, value in items:
                             written += put(key, value, db=db, overwrite=False)
+                    if durable:
+                        env.sync(True)
+                    else:
+                        self._unsynced = True
                     return written
                 except lmdb.MapFullError:
                     with self._lock:
@@ -115,6 +123,26 @@ class WritePath(Handle):
                     ) from exc
         raise LmdbCacheError(f"Cache '{self.path}': could not make room for {need} bytes after 64 map growths.")
 
+    def sync_file(self) -> None:
+        """fsync everything committed so far (by any process) and clear the unsynced marker (at close).
+
+        An fsync of data.mdb itself, not of the environment: it may be closed (before a fork)
+        and every commit's pages are in the file's page cache whoever wrote them. Called
+        without the lock (it takes the write lock, which comes first).
+        """
+        if not self._unsynced:
+            return
+        with self._write_lock():
+            try:
+                _fs.sync_data_file(self.path)
+            except OSError as exc:
+                raise LmdbCacheError(
+                    f"Cache '{self.path}': syncing its last commits to disk failed ({exc.strerror}). They are "
+                    "readable; a crash of the machine before the kernel writes them would make the next run rebuild."
+                ) from exc
+            _fs.clear_unsynced(self.path)
+        self._unsynced = False
+
     def _check_cache_id(self, txn: lmdb.Transaction) -> None:
         """Inside a write transaction: refuse to write into a build this process did not adopt."""
         if not self._same_build(txn)[0]:
@@ -124,12 +152,15 @@ class WritePath(Handle):
             )
 
     def delete(self, keys: Iterable[int]) -> int:
-        """Delete the given indices (used by ``verify --repair``); returns how many existed."""
+        """Delete the given indices (used by ``verify --repair``); returns how many existed. Synced: it is rare."""
         with self._lock:
             env = self._env or self._env_or_open()
             try:
-                with self._write_lock(), env.begin(write=True) as txn:
-                    self._check_cache_id(txn)
-                    return sum(txn.delete(_KEY(k), db=self._samples) for k in keys)
+                with self._write_lock():
+                    with env.begin(write=True) as txn:
+                        self._check_cache_id(txn)
+                        deleted = sum(txn.delete(_KEY(k), db=self._samples) for k in keys)
+                    env.sync(True)
+                    return deleted
             except lmdb.Error as exc:
                 raise write_failure(exc, self.path, "nothing was deleted") from exc

@@ -105,6 +105,10 @@ class CachedDataset(Dataset[Any]):
             its own and creates an uncompressed one. Needs ``pip install 'lmdbcache[zstd]'``
             (or ``[lz4]``); see the README for what it costs.
         compress_level: the codec's level (lz4: 0, fast, to 12; zstd: -7 to 22, default 3).
+        sync: fsync every commit. Default False: commits reach the disk when the kernel
+            writes them back and at ``close()``; a killed process loses nothing committed,
+            and a cache left unsynced by a machine crash is rebuilt when next opened (see
+            the README's Durability).
     """
 
     def __init__(
@@ -118,12 +122,13 @@ class CachedDataset(Dataset[Any]):
         max_readers: int = 1024,
         overwrite: bool = False,
         commit_every: int = 256,
-        commit_bytes: int = 64 << 20,
+        commit_bytes: int = 8 << 20,
         commit_interval: float = 1.0,
         checksum: str = "once",
         spot_check: int = 2,
         compress: str | None = None,
         compress_level: int | None = None,
+        sync: bool = False,
     ) -> None:
         check_options(
             map_size=map_size,
@@ -135,12 +140,14 @@ class CachedDataset(Dataset[Any]):
             fingerprint=fingerprint,
         )
         check_compression(compress, compress_level)
+        if type(sync) is not bool:
+            raise InvalidOptionError(f"sync must be True or False, not {sync!r}.")
         if type(spot_check) is not int or spot_check < 0:
             raise InvalidOptionError(f"spot_check must be an integer >= 0 (0 turns it off), not {spot_check!r}.")
         self.dataset = dataset
         self.path = os.path.abspath(os.fspath(path))
         self.transform = transform
-        self._options = dict(map_size=map_size, max_readers=max_readers)
+        self._options: dict[str, Any] = dict(map_size=map_size, max_readers=max_readers, sync=sync)
         self._compression = (compress, compress_level)
         self._policy = Policy(commit_every, parse_size(commit_bytes, "commit_bytes"), commit_interval)
         self._always = checksum == "always"

@@ -15,11 +15,13 @@ Writes. Misses are queued and committed by a background thread (``_commit``), on
 write transaction per batch, under the inter-process file lock ``lmdbcache.lock``. A key
 is never written twice (``overwrite=False``).
 
-Durability. ``sync=True, metasync=False``: every commit fdatasyncs the data pages and
-leaves the meta page to the next commit or the OS. A process killed at any instant
-leaves every committed transaction intact (LMDB is copy-on-write); a power loss keeps
-the database consistent but may undo the last commit. Queued, uncommitted samples are
-simply decoded again later.
+Durability. By default commits are not fsynced (``sync=False, metasync=False``): a process
+killed at any instant leaves every committed transaction intact (LMDB is copy-on-write and
+its writes are in the kernel's page cache), and ``close`` syncs the file once. A machine
+crash before that may tear the file, so an unsynced commit first leaves a marker with the
+boot id, and a cache opened in another boot with the marker present is rebuilt (``_fs``).
+``sync=True`` fsyncs every commit instead: a power loss then keeps the database consistent
+and may undo the last commit. Queued, uncommitted samples are simply decoded again later.
 
 Map size: see ``_env``. The modules behind ``Store``, and what each may import (one way)::
 
@@ -71,11 +73,12 @@ class Store(ReadPath, WritePath):
         map_size: int = 64 * MIB,
         max_readers: int = 1024,
         commit_every: int = 256,
-        commit_bytes: int = 64 * MIB,
+        commit_bytes: int = 8 * MIB,
         commit_interval: float = 1.0,
         checksum: str = "once",
+        sync: bool = False,
     ) -> None:
-        super().__init__(path, map_size=map_size, max_readers=max_readers, checksum=checksum)
+        super().__init__(path, map_size=map_size, max_readers=max_readers, checksum=checksum, sync=sync)
         self._queue = CommitQueue(
             self._lock,
             self._write_batch,
@@ -84,13 +87,15 @@ class Store(ReadPath, WritePath):
         )
         self._close_when_idle = False  # close() was interrupted while a batch was being written
 
-    def reconcile(self, map_size: int, max_readers: int) -> None:
+    def reconcile(self, map_size: int, max_readers: int, sync: bool = False) -> None:
         """Another object asks for this open store with its own per-environment options.
 
         A larger map is honoured (applied before the next commit, or when the environment
-        opens); a different reader table cannot be (LMDB fixes it when the first process opens
-        the environment), which is a warning.
+        opens), and so is ``sync=True`` (from then on every commit on the path is synced); a
+        different reader table cannot be (LMDB fixes it when the first process opens the
+        environment), which is a warning.
         """
+        self.sync = self.sync or sync
         if max_readers != self.max_readers:
             warnings.warn(
                 f"Cache '{self.path}' is already open in this process with max_readers={self.max_readers}; "
@@ -200,6 +205,9 @@ class Store(ReadPath, WritePath):
                 f"Cannot create a cache in '{path}': the directory is read-only. Choose a writable location."
             )
         _fs.check_data_file(self.path, overwrite=False)
+        boot = _fs.unsynced_in_another_boot(path)
+        if boot is not None:
+            raise CorruptCacheError(self._torn_message(boot) + " It cannot be rebuilt in a read-only location.")
         env = self._open_env(readonly=True)
         found = self._read_meta(env)
         if found is None:
@@ -218,6 +226,16 @@ class Store(ReadPath, WritePath):
         with self._write_lock():
             _fs.check_dir(self.path, overwrite)
             if not _fs.check_data_file(self.path, overwrite):
+                _fs.remove_lmdb_files(path)
+            boot = _fs.unsynced_in_another_boot(path)
+            if boot is not None:
+                if length is None:
+                    raise CorruptCacheError(self._torn_message(boot) + " Open it with its dataset to rebuild it.")
+                warnings.warn(
+                    self._torn_message(boot) + " It is being rebuilt: its samples are decoded again.",
+                    LmdbCacheWarning,
+                    stacklevel=5,
+                )
                 _fs.remove_lmdb_files(path)
             try:
                 env = self._open_env(readonly=False)
@@ -241,6 +259,12 @@ class Store(ReadPath, WritePath):
                 return self._upgrade_meta(env, meta)  # this process may add values: they are this format's
             return found
 
+    def _torn_message(self, boot: str) -> str:
+        return (
+            f"Cache '{self.path}' was being filled without a disk sync when the machine went down (boot "
+            f"{boot[:36]!r} left its unsynced-commits marker, {_fs.UNSYNCED}), so it may be torn and is not read."
+        )
+
     def _write_meta(
         self, env: lmdb.Environment, length: int, fingerprint: str, codec: str | None, level: int
     ) -> tuple[dict[str, Any], bytes]:
@@ -250,6 +274,7 @@ class Store(ReadPath, WritePath):
             with env.begin(write=True) as txn:
                 txn.drop(self._samples, delete=False)
                 txn.put(_metadata.KEY, raw, db=self._meta_db)
+            env.sync(True)  # rare, and what every later commit builds on: never left to the writeback
         except lmdb.Error as exc:
             raise write_failure(exc, self.path, "the cache was not created or rebuilt") from exc
         return meta, raw
@@ -260,6 +285,7 @@ class Store(ReadPath, WritePath):
         try:
             with env.begin(write=True) as txn:
                 txn.put(_metadata.KEY, raw, db=self._meta_db)
+            env.sync(True)
         except lmdb.Error as exc:
             raise write_failure(exc, self.path, "the metadata was not updated; nothing was lost") from exc
         return meta, raw
@@ -323,11 +349,16 @@ class Store(ReadPath, WritePath):
     # ------------------------------------------------------------------ closing
 
     def close(self) -> None:
-        """Commit the queue, end the committer thread and close the environment (it reopens on next use)."""
-        with self._lock:
-            try:
+        """Commit the queue, sync what this process committed, end the committer thread and close the environment.
+
+        The environment reopens on next use.
+        """
+        try:
+            with self._lock:
                 self._queue.stop()
-            finally:
+            self.sync_file()  # takes the write lock, which comes before self._lock
+        finally:
+            with self._lock:
                 # A second Ctrl-C can end stop() while the thread is still writing: its transaction
                 # must not lose its environment under it. The thread closes it when done (_idle).
                 if self._queue.busy:

@@ -13,7 +13,7 @@ import lmdb
 import msgpack
 import pytest
 import torch
-from helpers import Listed, Synthetic, assert_same, golden_samples, key, raw_cache, sample_for, unmount
+from helpers import Listed, Synthetic, assert_same, golden_samples, key, raw_cache, sample_for, source_reads, unmount
 from test_processes import run_script
 
 import lmdbcache
@@ -22,8 +22,10 @@ from lmdbcache import (
     CacheMismatchError,
     CorruptCacheError,
     CorruptSampleError,
+    LmdbCacheWarning,
     NotACacheError,
     ReadOnlyCacheError,
+    _fs,
     _registry,
 )
 
@@ -527,3 +529,46 @@ def test_scans_read_ahead_and_restore_random_advice(cache_dir):
         assert "rr" in _map_flags(cache_dir) and "sr" not in _map_flags(cache_dir)
         assert sorted(scanned) == list(range(8))
         assert all(scanned[i] == store.raw(i) for i in range(8))
+
+
+FOREIGN_BOOT = "00000000-0000-4000-8000-000000000000\n"
+
+
+def test_unsynced_commits_leave_a_boot_marker_until_close_and_sync_true_leaves_none(cache_dir, counts):
+    """An unsynced commit first leaves this boot's id in a marker; close syncs and removes it; sync=True needs none."""
+    marker = cache_dir / _fs.UNSYNCED
+    ds = CachedDataset(Synthetic(10, count_dir=counts), cache_dir)
+    ds[0]
+    assert not marker.exists()  # nothing committed yet
+    ds.flush()
+    assert marker.read_text() == _fs.boot_id() + "\n"
+    ds.close()
+    assert not marker.exists()
+    durable = CachedDataset(Synthetic(10, count_dir=counts), cache_dir, sync=True)
+    durable[1]
+    durable.flush()
+    assert not marker.exists()
+    durable.close()
+    assert CachedDataset.open(cache_dir).cached_count == 2
+
+
+def test_a_marker_left_by_another_boot_rebuilds_the_cache(cache_dir, counts):
+    """Unsynced commits of a boot that ended (a crash?) may be torn: the cache is rebuilt with a warning, never read."""
+    ds = CachedDataset(Synthetic(10, count_dir=counts), cache_dir)
+    for i in range(10):
+        ds[i]
+    ds.close()
+    (cache_dir / _fs.UNSYNCED).write_text(FOREIGN_BOOT)  # as a process of the earlier boot left it
+    with pytest.raises(CorruptCacheError, match=r"without a disk sync when the machine went down.*with its dataset"):
+        CachedDataset.open(cache_dir)
+    with pytest.raises(CorruptCacheError, match="read-only location"), read_only(cache_dir) as ro:
+        CachedDataset.open(ro)
+    with pytest.warns(LmdbCacheWarning, match=r"00000000-0000-4000-8000-000000000000.*being rebuilt"):
+        rebuilt = CachedDataset(Synthetic(10, count_dir=counts), cache_dir)
+    assert rebuilt.cached_count == 0 and not (cache_dir / _fs.UNSYNCED).exists()
+    assert_same(rebuilt[3], sample_for(3))
+    assert sorted(source_reads(counts)) == sorted([*range(10), 3])  # decoded again, from the source
+    rebuilt.close()
+    (cache_dir / _fs.UNSYNCED).write_text("garbage \xff" * 50)  # hostile content: another boot's too
+    with pytest.warns(LmdbCacheWarning, match="being rebuilt"):
+        CachedDataset(Synthetic(10, count_dir=counts), cache_dir).close()
