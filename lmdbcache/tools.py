@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from . import _metadata, _registry
+from . import _fs, _metadata, _registry
 from ._scan import decode_problem
 from ._verify import Progress, VerifyResult, verify
 from .errors import CacheMismatchError, CorruptCacheError, CorruptSampleError, LmdbCacheError, NotACacheError
@@ -244,6 +244,7 @@ def _copy_into(source: Store, path: str) -> bool:
     tmp = tempfile.mkdtemp(prefix=_COPY_PREFIX, dir=path)  # same filesystem as path: the rename is atomic
     try:
         source.copy_to(tmp)
+        _fs.sync_data_file(tmp)  # the copy is whole on the disk before it replaces anything
         others = _swap(path, tmp, seen)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # created by this call
@@ -278,6 +279,8 @@ def _swap(path: str, tmp: str, seen: tuple[int, int] | None) -> bool:
                 os.remove(lock_file)
             except FileNotFoundError:
                 pass
+            # An unsynced-commits marker described the old file; the new one was synced above.
+            _fs.clear_unsynced(path)
     except filelock.Timeout:
         raise LmdbCacheError(
             f"Cannot replace the cache at '{path}': a process kept its write lock ({WRITE_LOCK}) for "
