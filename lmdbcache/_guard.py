@@ -75,15 +75,19 @@ class MapGuard:
         self.refresh()
 
     def refresh(self) -> None:
-        """Find the mapping of data.mdb in this process and the file's current size."""
-        self.start = 0
+        """Find the mapping of data.mdb in this process and the file's current size.
+
+        Both are found first and stored together: other threads check records against them
+        meanwhile (a moment with ``start`` at 0 would let their unchecked reads through).
+        """
         try:
             st = os.stat(self.data_file)
             with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
                 lines = f.read().splitlines()
         except OSError:
+            self.start = 0
             return
-        self.file_size = st.st_size
+        start = 0
         for line in lines:
             fields = line.split(maxsplit=5)
             if len(fields) < 6 or fields[2] != "00000000":
@@ -93,8 +97,12 @@ class MapGuard:
             except ValueError:
                 continue
             if inode == st.st_ino and os.path.realpath(fields[5]) == os.path.realpath(self.data_file):
-                self.start = int(fields[0].split("-")[0], 16)
-                return
+                start = int(fields[0].split("-")[0], 16)
+                break
+        if start and start == self.start:
+            self.file_size = st.st_size
+        else:
+            self.start, self.file_size = start, st.st_size
 
     def problem(self, key: bytes | memoryview, prefetch: bool = True) -> str | None:
         """Why the record whose key (a view into the map) is ``key`` cannot be read safely, or None.

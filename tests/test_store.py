@@ -572,3 +572,26 @@ def test_a_marker_left_by_another_boot_rebuilds_the_cache(cache_dir, counts):
     (cache_dir / _fs.UNSYNCED).write_text("garbage \xff" * 50)  # hostile content: another boot's too
     with pytest.warns(LmdbCacheWarning, match="being rebuilt"):
         CachedDataset(Synthetic(10, count_dir=counts), cache_dir).close()
+
+
+def test_the_guard_keeps_checking_while_it_looks_for_the_map_again(cache_dir, monkeypatch):
+    """refresh() (run by every scan's readahead) never leaves the guard without a map address while it re-reads
+    /proc/self/maps: another thread's check meanwhile would have let a damaged record through (a SIGBUS, found by
+    the attack: a reader thread beside copy_cache)."""
+    from lmdbcache import _guard
+
+    _big_cache(cache_dir, 4)
+    seen = []
+    with _registry.opened(str(cache_dir)) as store:
+        store.meta()
+        guard = store._guard
+        assert guard is not None and guard.start
+
+        def spying_open(path, *args, **kwargs):
+            seen.append(guard.start)  # what a concurrent check would use at this moment
+            return open(path, *args, **kwargs)
+
+        monkeypatch.setattr(_guard, "open", spying_open, raising=False)
+        with store.reading_ahead():
+            pass
+    assert seen and all(seen)
