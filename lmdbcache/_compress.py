@@ -99,8 +99,11 @@ class Compressor:
         for nbytes in buffer_sizes(mv[HEAD_SIZE:end]):
             raw = mv[pos : pos + nbytes]
             pos += nbytes
-            if nbytes >= THRESHOLD:
-                packed = compress(raw)
+            if THRESHOLD <= nbytes <= _MAX_INPUT:
+                try:
+                    packed = compress(raw)
+                except Exception:  # the codec refuses this buffer: it is stored as it is
+                    packed = raw
                 if len(packed) < PAYS * nbytes and nbytes <= len(packed) * ratio:
                     frames += (FRAME.pack(kind, len(packed)), packed)
                     paid = True
@@ -109,6 +112,11 @@ class Compressor:
         if not paid or pos != len(value):
             return value
         return b"".join(frames)
+
+
+# The largest buffer compressed: lz4's block API refuses inputs over LZ4_MAX_INPUT_SIZE
+# (0x7E000000, ~2.1 GB) with OverflowError; a larger buffer is stored raw, with either codec.
+_MAX_INPUT = 0x7E000000
 
 
 def buffer_sizes(structure: memoryview) -> list[int]:

@@ -17,9 +17,12 @@ rebuilt. Without a boot id (not Linux) every commit is synced instead.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import stat
 import warnings
+from typing import Any
 
 from ._options import MIB
 from .errors import CacheFullError, CorruptCacheError, LmdbCacheWarning, NotACacheError
@@ -35,6 +38,7 @@ __all__ = [
     "clear_unsynced",
     "filesystem_type",
     "mark_unsynced",
+    "marker_settings",
     "remove_lmdb_files",
     "sync_data_file",
     "unsynced_in_another_boot",
@@ -152,12 +156,38 @@ def check_size(path: str, needed: int) -> None:
 
 
 def remove_lmdb_files(path: str) -> None:
-    """Delete LMDB's two files and the marker that describes them (never anything else in the directory)."""
+    """Delete LMDB's two files and the marker that describes them (never anything else in the directory).
+
+    A marker that is not a file (not ours) is refused first, before anything is deleted.
+    """
+    _check_marker(path)
     for name in (DATA_FILE, LOCK_FILE, UNSYNCED):
         try:
             os.remove(os.path.join(path, name))
         except FileNotFoundError:
             pass
+
+
+def _check_marker(path: str) -> None:
+    """Refuse a marker path that is not a regular file (a directory, FIFO, link: nothing lmdbcache makes)."""
+    marker = os.path.join(path, UNSYNCED)
+    try:
+        mode = os.lstat(marker).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise CorruptCacheError(
+            f"Cache '{path}' holds '{UNSYNCED}', which lmdbcache writes as a plain file, as something else "
+            f"({_kind(mode)}); nothing was read or deleted. Remove '{marker}' and open the cache again (or "
+            "pass overwrite=True to rebuild it)."
+        )
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def boot_id() -> str | None:
@@ -170,12 +200,14 @@ def boot_id() -> str | None:
     return boot or None
 
 
-def mark_unsynced(path: str) -> bool:
+def mark_unsynced(path: str, settings: dict[str, Any] | None = None) -> bool:
     """Before an unsynced commit, under the write lock: make sure the marker holds this boot's id.
 
     Returns False when the commit must be synced instead (no boot id, or the marker cannot
     be written). A marker already there was written in this boot: a foreign one is dealt
-    with when the cache is opened, before any commit.
+    with when the cache is opened, before any commit. ``settings`` (the build's creation
+    settings, e.g. its compression) go on the marker's second line, as JSON: a cache rebuilt
+    after a crash keeps them without reading its possibly torn file (``marker_settings``).
     """
     marker = os.path.join(path, UNSYNCED)
     if os.path.exists(marker):
@@ -187,7 +219,7 @@ def mark_unsynced(path: str) -> bool:
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.write(fd, boot.encode("ascii") + b"\n")
+            os.write(fd, boot.encode("ascii") + b"\n" + json.dumps(settings or {}).encode("ascii") + b"\n")
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -199,27 +231,61 @@ def mark_unsynced(path: str) -> bool:
 
 
 def clear_unsynced(path: str) -> None:
-    """After a sync of the whole data file, under the write lock: nothing unsynced is left."""
+    """After a sync of the whole data file, under the write lock: nothing unsynced is left.
+
+    A marker path that cannot be removed (someone made it a directory) is left for the next
+    open to refuse with a clear error.
+    """
     try:
         os.remove(os.path.join(path, UNSYNCED))
-    except FileNotFoundError:
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
         pass
 
 
 def unsynced_in_another_boot(path: str) -> str | None:
     """The boot id in the marker when it is not this boot's (commits of a boot that may have crashed), else None.
 
-    The marker is untrusted input: at most 64 bytes are read, and anything that is not this
-    boot's id counts as another boot's.
+    The marker is untrusted input: anything but a regular file is refused (``_check_marker``),
+    it is opened without following links or blocking, at most 64 bytes are read, and anything
+    that is not this boot's id counts as another boot's.
     """
+    _check_marker(path)
     try:
-        with open(os.path.join(path, UNSYNCED), "rb") as f:
-            found = f.read(64).strip().decode("ascii", "replace")
+        fd = os.open(os.path.join(path, UNSYNCED), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except FileNotFoundError:
         return None
     except OSError as exc:
         return f"unreadable ({exc.strerror})"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped in after the check
+            _check_marker(path)
+            return "not a regular file"
+        found = os.read(fd, 64).split(b"\n", 1)[0].strip().decode("ascii", "replace")
+    except OSError as exc:
+        return f"unreadable ({exc.strerror})"
+    finally:
+        os.close(fd)
     return None if found == boot_id() else found or "empty"
+
+
+def marker_settings(path: str) -> dict[str, Any]:
+    """The settings ``mark_unsynced`` wrote on the marker's second line; {} if none can be read.
+
+    Untrusted (call after ``unsynced_in_another_boot`` accepted the path): at most 1 KiB
+    read; the caller validates every value before use.
+    """
+    try:
+        fd = os.open(os.path.join(path, UNSYNCED), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return {}
+    try:
+        lines = os.read(fd, 1024).split(b"\n")
+        found = json.loads(lines[1]) if len(lines) > 2 else {}
+    except (OSError, ValueError):
+        return {}
+    finally:
+        os.close(fd)
+    return found if isinstance(found, dict) else {}
 
 
 def sync_data_file(path: str) -> None:

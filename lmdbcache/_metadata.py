@@ -103,6 +103,12 @@ def validate(meta: Any, path: str) -> dict[str, Any]:
     return meta
 
 
+def settings(meta: dict[str, Any]) -> dict[str, Any]:
+    """The build's creation settings, as a rebuild should keep them (see ``_fs.mark_unsynced``)."""
+    codec, level = compression(meta)
+    return {"compress": codec, "compress_level": level}
+
+
 def compression(meta: dict[str, Any]) -> tuple[str | None, int]:
     """The (codec, level) the build's values are compressed with; (None, 0) for none."""
     codec = meta.get("compress")

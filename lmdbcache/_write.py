@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable
+from typing import Any
 
 import lmdb
 
-from . import _fs
+from . import _fs, _metadata
 from ._commit import Policy
 from ._env import grown_size
 from ._handle import Handle
@@ -93,7 +94,7 @@ class WritePath(Handle):
                 self._maybe_reader_check(env)
                 self._reserve(env, need)
             # The marker goes down (fsynced) before any byte of an unsynced commit: see _fs.
-            durable = self.sync or not _fs.mark_unsynced(self.path)
+            durable = self.sync or not _fs.mark_unsynced(self.path, self._settings())
             for _ in range(64):
                 try:
                     written = 0
@@ -122,6 +123,10 @@ class WritePath(Handle):
                         "everything committed before is intact)",
                     ) from exc
         raise LmdbCacheError(f"Cache '{self.path}': could not make room for {need} bytes after 64 map growths.")
+
+    def _settings(self) -> dict[str, Any]:
+        """The build's creation settings, for the unsynced-commits marker."""
+        return _metadata.settings(self._meta) if self._meta is not None else {}
 
     def sync_file(self) -> None:
         """fsync everything committed so far (by any process) and clear the unsynced marker (at close).

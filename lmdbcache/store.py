@@ -54,7 +54,14 @@ from ._options import MIB, parse_size
 from ._read import MISSING, ReadPath
 from ._version import FORMAT_VERSION
 from ._write import WritePath
-from .errors import CacheMismatchError, CorruptCacheError, LmdbCacheWarning, NotACacheError, ReadOnlyCacheError
+from .errors import (
+    CacheMismatchError,
+    CorruptCacheError,
+    InvalidOptionError,
+    LmdbCacheWarning,
+    NotACacheError,
+    ReadOnlyCacheError,
+)
 
 __all__ = ["DATA_FILE", "LOCK_FILE", "MISSING", "WRITE_LOCK", "Store"]
 
@@ -236,6 +243,7 @@ class Store(ReadPath, WritePath):
                     LmdbCacheWarning,
                     stacklevel=5,
                 )
+                compress = _kept_settings(path, compress)
                 _fs.remove_lmdb_files(path)
             try:
                 env = self._open_env(readonly=False)
@@ -387,3 +395,16 @@ class Store(ReadPath, WritePath):
         if in_child:
             self._queue.reset_in_child()  # the parent's samples; its committer thread does not exist here
         self._lock.release()
+
+
+def _kept_settings(path: str, compress: tuple[str | None, int | None]) -> tuple[str | None, int | None]:
+    """The compression a rebuild after a crash uses: the one asked for, else the old build's (from its marker)."""
+    if compress[0] is not None:
+        return compress
+    kept = _fs.marker_settings(path)
+    if kept.get("compress") is None:
+        return compress
+    try:
+        return _compress.check(kept["compress"], kept.get("compress_level"))
+    except InvalidOptionError:
+        return compress  # a damaged marker: what the caller asked for

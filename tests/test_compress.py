@@ -322,3 +322,24 @@ def test_damaged_compressed_values_never_decode_wrong(codec, data):
     except CorruptSampleError:
         return
     assert_same(out, sample)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_buffers_the_codec_cannot_take_are_stored_raw(codec, monkeypatch):
+    """A buffer over lz4's input limit (~2.1 GB; lowered here) or one the codec refuses is stored raw, never a
+    raw OverflowError (found by the attack: a 2.15 GB tensor with compress='lz4')."""
+    import lmdbcache._compress as compress_module
+
+    compressible = (torch.zeros(4096), 1)  # 16 KiB of zeros: pays with either codec
+    value = encode(compressible, 7)
+    assert Compressor(codec, 0 if codec == "lz4" else 3)(value) != value
+    monkeypatch.setattr(compress_module, "_MAX_INPUT", 8192)
+    assert Compressor(codec, 0 if codec == "lz4" else 3)(value) == value
+    monkeypatch.undo()
+    refusing = Compressor(codec, 0 if codec == "lz4" else 3)
+
+    def refuse(data):
+        raise OverflowError("Input too large for LZ4 API")
+
+    monkeypatch.setattr(refusing, "_compress", lambda: refuse)
+    assert refusing(value) == value

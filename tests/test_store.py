@@ -541,7 +541,7 @@ def test_unsynced_commits_leave_a_boot_marker_until_close_and_sync_true_leaves_n
     ds[0]
     assert not marker.exists()  # nothing committed yet
     ds.flush()
-    assert marker.read_text() == _fs.boot_id() + "\n"
+    assert marker.read_text().split("\n")[0] == _fs.boot_id()  # then the build's settings, as JSON
     ds.close()
     assert not marker.exists()
     durable = CachedDataset(Synthetic(10, count_dir=counts), cache_dir, sync=True)
@@ -595,3 +595,43 @@ def test_the_guard_keeps_checking_while_it_looks_for_the_map_again(cache_dir, mo
         with store.reading_ahead():
             pass
     assert seen and all(seen)
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "symlink"])
+def test_a_marker_that_is_not_a_file_is_a_clear_error_and_nothing_is_deleted(cache_dir, kind):
+    """The marker path is untrusted: a directory, FIFO or link there is refused by name before anything is read
+    or deleted (found by the attack: a directory was an IsADirectoryError after data.mdb was deleted; a FIFO hung
+    the open)."""
+    ds = CachedDataset(Synthetic(6), cache_dir)
+    ds.__getitems__(list(range(6)))
+    ds.close()
+    marker = cache_dir / _fs.UNSYNCED
+    {"directory": marker.mkdir, "fifo": lambda: os.mkfifo(marker), "symlink": lambda: marker.symlink_to("/etc")}[kind]()
+    for attempt in (lambda: CachedDataset(Synthetic(6), cache_dir), lambda: CachedDataset.open(cache_dir)):
+        with pytest.raises(CorruptCacheError, match=r"lmdbcache.unsynced.*nothing was read or deleted"):
+            attempt()
+    assert (cache_dir / "data.mdb").exists()
+    marker.rmdir() if kind == "directory" else marker.unlink()
+    reopened = CachedDataset.open(cache_dir)
+    assert reopened.cached_count == 6
+    reopened.close()
+
+
+def test_a_rebuild_after_a_crash_keeps_the_caches_compression(cache_dir):
+    """The marker carries the build's creation settings, so the rebuild of a torn compressed cache opened the usual
+    way (no compress=) is compressed alike, without reading the torn file (found by the attack)."""
+    pytest.importorskip("zstandard")
+    ds = CachedDataset(Listed([(torch.zeros(8000) + i, i) for i in range(6)]), cache_dir, compress="zstd")
+    ds.__getitems__(list(range(6)))
+    ds.flush()
+    written = (cache_dir / _fs.UNSYNCED).read_text()  # as the crash left it: this process never closed
+    ds.close()
+    (cache_dir / _fs.UNSYNCED).write_text(FOREIGN_BOOT + written.split("\n", 1)[1])
+    with pytest.warns(LmdbCacheWarning, match="being rebuilt"):
+        rebuilt = CachedDataset(Listed([(torch.zeros(8000) + i, i) for i in range(6)]), cache_dir)
+    assert rebuilt._store.meta()["compress"] == "zstd" and rebuilt.cached_count == 0
+    assert_same(rebuilt[2], (torch.zeros(8000) + 2, 2))
+    rebuilt.close()
+    (cache_dir / _fs.UNSYNCED).write_text(FOREIGN_BOOT + '{"compress": "rar", "compress_level": [1]}\n')  # damaged
+    with pytest.warns(LmdbCacheWarning, match="being rebuilt"):
+        CachedDataset(Listed([(torch.zeros(8000) + i, i) for i in range(6)]), cache_dir).close()
