@@ -101,10 +101,10 @@ class Compressor:
             pos += nbytes
             if THRESHOLD <= nbytes <= _MAX_INPUT:
                 try:
-                    packed = compress(raw)
+                    packed: bytes | None = compress(raw)
                 except Exception:  # the codec refuses this buffer: it is stored as it is
-                    packed = raw
-                if len(packed) < PAYS * nbytes and nbytes <= len(packed) * ratio:
+                    packed = None
+                if packed is not None and len(packed) < PAYS * nbytes and nbytes <= len(packed) * ratio:
                     frames += (FRAME.pack(kind, len(packed)), packed)
                     paid = True
                     continue
