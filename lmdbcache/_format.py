@@ -19,9 +19,12 @@ from ._version import FORMAT_VERSION
 if TYPE_CHECKING:
     import torch
 
-# The header's version byte is FORMAT_VERSION. A bump that changes the value layout must
+# The header's version byte: the format that last changed the value layout (format 3 changed
+# only the metadata and added packs, see _pack). A bump that changes the value layout must
 # teach decode() the old one, as format 1 is taught there.
-MAGIC = b"LMC" + bytes([FORMAT_VERSION])
+VALUE_VERSION = 2
+assert VALUE_VERSION <= FORMAT_VERSION
+MAGIC = b"LMC" + bytes([VALUE_VERSION])
 HEAD = struct.Struct("<4sIQQ")
 # The header, the structure's first byte and, in a flat structure, its signature length.
 HEAD_AND_FLAT = struct.Struct("<4sIQQBH")

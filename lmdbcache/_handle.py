@@ -82,6 +82,9 @@ class Handle:
         self._last_reader_check = 0.0
         self._guard: MapGuard | None = None
         self._close_when_idle = False  # close() was interrupted while a batch was being written
+        # The adopted build's chunk size K for packs (_pack; 0: none) and its dataset length.
+        self._pack = 0
+        self._length = 0
 
     def _open_env(self, *, readonly: bool) -> lmdb.Environment:
         """Open this process's environment and the two databases. Caller holds self._lock."""
@@ -146,6 +149,7 @@ class Handle:
             self.build = meta["cache_id"]
         self._meta, self._meta_raw, self._stale = meta, raw, None
         length = meta["length"]
+        self._pack, self._length = meta.get("pack", 0), length
         verified = self._verified
         if length <= _VERIFIED_MAX and (verified is None or len(verified) < length):
             self._verified = bytearray(length)

@@ -5,7 +5,9 @@ Fields: ``format_version`` (int, checked first: see ``_version``), ``length``,
 string, new at every build or rebuild: processes check it before they commit, so a process
 still filling a rebuilt cache cannot write old samples into it) and ``builder`` (who built
 it, for messages). A cache upgraded in place from an older format also has
-``upgraded_from``. A cache file is untrusted input: every field is validated before use.
+``upgraded_from``. Format 3 added ``pack`` (int, 0 to ``_pack.MAX_PACK``): the chunk size K
+of packed records (see ``_pack``); 0 or absent (older caches): no packs. A cache file is
+untrusted input: every field is validated before use.
 
 Pure functions of bytes and dicts; the store does the reading and writing.
 """
@@ -21,6 +23,7 @@ from typing import Any
 import msgpack
 
 from ._lmdb_errors import REBUILD
+from ._pack import MAX_PACK
 from ._version import FORMAT_VERSION, OLDEST_READABLE_FORMAT, __version__
 from .errors import CacheMismatchError, CorruptCacheError, NotACacheError
 
@@ -88,6 +91,12 @@ def validate(meta: Any, path: str) -> dict[str, Any]:
             raise CorruptCacheError(
                 f"Cache '{path}' has damaged metadata: field '{field}' is {value!r:.80}, expected {expected}. {REBUILD}"
             )
+    pack = meta.get("pack", 0)
+    if type(pack) is not int or not 0 <= pack <= MAX_PACK:
+        raise CorruptCacheError(
+            f"Cache '{path}' has damaged metadata: field 'pack' is {pack!r:.80}, expected an integer from 0 to "
+            f"{MAX_PACK}. {REBUILD}"
+        )
     return meta
 
 
@@ -107,8 +116,8 @@ def check(meta: dict[str, Any], path: str, length: int | None, fingerprint: str 
     return meta
 
 
-def new(length: int, fingerprint: str) -> tuple[dict[str, Any], bytes]:
-    """The record of a new build (a new ``cache_id``) and its bytes."""
+def new(length: int, fingerprint: str, pack: int = 0) -> tuple[dict[str, Any], bytes]:
+    """The record of a new build (a new ``cache_id``) and its bytes; ``pack``: the chunk size K (0: no packs)."""
     meta = {
         "format_version": FORMAT_VERSION,
         "length": int(length),
@@ -118,6 +127,8 @@ def new(length: int, fingerprint: str) -> tuple[dict[str, Any], bytes]:
         "cache_id": uuid.uuid4().hex,
         "builder": f"pid {os.getpid()} on {socket.gethostname()}",
     }
+    if pack:
+        meta["pack"] = int(pack)
     return meta, msgpack.packb(meta)
 
 

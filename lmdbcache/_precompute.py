@@ -110,6 +110,7 @@ def precompute(
     commit_bytes: int = 256 << 20,
     map_size: int = 64 << 20,
     progress: bool | None = None,
+    pack: int = 0,
 ) -> PrecomputeResult:
     """Decode every index of ``dataset`` (or of one shard) into the cache at ``path``.
 
@@ -121,19 +122,22 @@ def precompute(
 
     Before writing, ``check_determinism`` indices are decoded twice; if the two samples
     differ (random augmentation inside the dataset would be frozen into the cache) this
-    raises ``NondeterministicDatasetError`` unless ``allow_nondeterministic``.
+    raises ``NondeterministicDatasetError`` unless ``allow_nondeterministic``. ``pack``: as
+    ``CachedDataset``'s, for a cache created here.
 
     Raises ``SourceItemError`` naming the index when the dataset raises (what was written
     is kept). Ctrl-C commits what was decoded, stops the workers and returns with
     ``interrupted=True``; ``seconds`` (and the rate) cover the work, not the shutdown.
     """
     start = time.perf_counter()
-    _check_arguments(num_workers, batch_size, check_determinism, map_size, commit_every, commit_bytes, fingerprint)
+    _check_arguments(
+        num_workers, batch_size, check_determinism, map_size, commit_every, commit_bytes, fingerprint, pack
+    )
     path = os.path.abspath(os.fspath(path))
     local, workers = _local_ranks(local, overwrite, num_workers)
     length = dataset_length(dataset)
     indices = shard_indices(length, shard, local)
-    run = _Run.open(path, dataset, length, fingerprint, overwrite, map_size, commit_every, commit_bytes)
+    run = _Run.open(path, dataset, length, fingerprint, overwrite, map_size, commit_every, commit_bytes, pack)
     try:
         todo = _not_cached(run.store, indices, length)
         halted = _fill(run, dataset, todo, workers, batch_size, progress, check_determinism, allow_nondeterministic)
@@ -153,6 +157,7 @@ def _check_arguments(
     commit_every: int,
     commit_bytes: int,
     fingerprint: str | None,
+    pack: int = 0,
 ) -> None:
     for name, value, low in (("batch_size", batch_size, 1), ("check_determinism", check_determinism, 0)):
         if type(value) is not int or value < low:
@@ -170,6 +175,7 @@ def _check_arguments(
         commit_interval=_COMMIT_INTERVAL,
         checksum="once",
         fingerprint=fingerprint,
+        pack=pack,
     )
 
 
@@ -212,6 +218,7 @@ class _Run:
         map_size: int,
         every: int,
         size: int,
+        pack: int = 0,
     ) -> _Run:
         """This process's store for ``path``, opened for ``dataset`` (created, or checked against it)."""
         store, meta = _registry.open_store(
@@ -223,6 +230,7 @@ class _Run:
             commit_every=every,
             commit_bytes=size,
             commit_interval=_COMMIT_INTERVAL,
+            pack=pack,
         )
         policy = Policy(every, parse_size(size), _COMMIT_INTERVAL)
         return cls(store, meta["cache_id"], policy, store.written)

@@ -70,6 +70,7 @@ def open_store(
     fingerprint: str | None = None,
     overwrite: bool = False,
     create: bool = True,
+    pack: int = 0,
     **options: Any,
 ) -> tuple[Store, dict[str, Any]]:
     """This process's Store for ``path``, initialized (``Store.initialize``), and the cache's metadata.
@@ -79,7 +80,7 @@ def open_store(
     """
     store = acquire(path, **options)
     try:
-        meta = store.initialize(length=length, fingerprint=fingerprint, overwrite=overwrite, create=create)
+        meta = store.initialize(length=length, fingerprint=fingerprint, overwrite=overwrite, create=create, pack=pack)
     except BaseException:
         release(store)
         raise

@@ -5,6 +5,6 @@ __version__ = "0.1.0"
 # The on-disk format this library writes and the newest it reads. Bump it only when the
 # stored bytes change (record layout, keys, metadata), and keep tests/data/golden-v*
 # readable.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 # The oldest format this library still reads (tests/data/golden-v* back to this one).
 OLDEST_READABLE_FORMAT = 1

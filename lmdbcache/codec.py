@@ -8,7 +8,8 @@ integers are little-endian::
 
     offset  size  field
     0       3     magic b"LMC"
-    3       1     format version: 2 (``FORMAT_VERSION``); 1 is still read, see "Format 1"
+    3       1     value version: 2 (format 3 caches keep it: packs, ``_pack``, left values alone); 1
+                  is still read, see "Format 1"
     4       4     S, the length of the structure (u32, at least 1)
     8       8     structure checksum: xxh3_64 of the structure, seed = the index
     16      8     data checksum: xxh3_64 chained over the buffers in order, each hashed

@@ -116,6 +116,7 @@ class Store(ReadPath, WritePath):
         fingerprint: str | None,
         overwrite: bool = False,
         create: bool = True,
+        pack: int = 0,
     ) -> dict[str, Any]:
         """Open the cache, creating it or checking it against the dataset; return its metadata.
 
@@ -123,7 +124,8 @@ class Store(ReadPath, WritePath):
         source). With ``overwrite`` an existing cache is emptied (in place, so other
         processes keep valid handles) or, if it is not a readable lmdbcache cache, its
         LMDB files are replaced. Files that are not ours are never touched. On error
-        nothing stays open.
+        nothing stays open. ``pack``: the chunk size K of packs (``_pack``) in a cache created
+        here (an existing cache keeps its own).
         """
         with self._lock:
             if overwrite:
@@ -138,7 +140,7 @@ class Store(ReadPath, WritePath):
             self._close_env()  # another dataset in this process may have it open: start clean
             previous = self.build
             try:
-                meta, raw = self._initialize(length, fingerprint, overwrite, create)
+                meta, raw = self._initialize(length, fingerprint, overwrite, create, pack)
             except BaseException:
                 self._close_env()
                 raise
@@ -148,13 +150,13 @@ class Store(ReadPath, WritePath):
             return meta
 
     def _initialize(
-        self, length: int | None, fingerprint: str | None, overwrite: bool, create: bool
+        self, length: int | None, fingerprint: str | None, overwrite: bool, create: bool, pack: int
     ) -> tuple[dict[str, Any], bytes]:
         self._make_dir(create)
         _fs.warn_if_network_fs(self.path)
         if not _fs.writable(self.path):
             return self._open_readonly(length, fingerprint, overwrite)
-        return self._open_writable(length, fingerprint, overwrite)
+        return self._open_writable(length, fingerprint, overwrite, pack)
 
     def _make_dir(self, create: bool) -> None:
         """Refuse a file as the path, or a missing cache when not creating one; create the directory."""
@@ -197,7 +199,7 @@ class Store(ReadPath, WritePath):
         return _metadata.check(found[0], self.path, length, fingerprint), found[1]
 
     def _open_writable(
-        self, length: int | None, fingerprint: str | None, overwrite: bool
+        self, length: int | None, fingerprint: str | None, overwrite: bool, pack: int
     ) -> tuple[dict[str, Any], bytes]:
         """Create, check, upgrade or (``overwrite``) rebuild the cache, under the write lock."""
         path = self.path
@@ -223,15 +225,17 @@ class Store(ReadPath, WritePath):
                         f"There is no lmdbcache cache at '{path}' to open without a dataset. Build it first "
                         "(`lmdbcache precompute`, or CachedDataset with the source dataset)."
                     )
-                return self._write_meta(env, length, fingerprint or "")
+                return self._write_meta(env, length, fingerprint or "", pack)
             meta = _metadata.check(found[0], self.path, length, fingerprint)
             if length is not None and meta["format_version"] < FORMAT_VERSION:
                 return self._upgrade_meta(env, meta)  # this process may add values: they are this format's
             return found
 
-    def _write_meta(self, env: lmdb.Environment, length: int, fingerprint: str) -> tuple[dict[str, Any], bytes]:
+    def _write_meta(
+        self, env: lmdb.Environment, length: int, fingerprint: str, pack: int
+    ) -> tuple[dict[str, Any], bytes]:
         """Start a new build: empty the samples and write new metadata, in one transaction."""
-        meta, raw = _metadata.new(length, fingerprint)
+        meta, raw = _metadata.new(length, fingerprint, pack)
         try:
             with env.begin(write=True) as txn:
                 txn.drop(self._samples, delete=False)
@@ -255,6 +259,10 @@ class Store(ReadPath, WritePath):
     def count(self) -> int:
         """Committed samples, after committing this process's queue."""
         self.flush()
+        with self._lock:
+            self._env or self._env_or_open()
+        if self._pack:  # a pack is one record holding many samples: count the scan's indices
+            return sum(1 for _ in self.iter_keys())
         with self._lock, self._begin_checked(self._env or self._env_or_open()) as txn:
             try:
                 entries = int(txn.stat(self._samples)["entries"])

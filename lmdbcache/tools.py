@@ -341,7 +341,11 @@ def merge(
     first = _common_dataset(shard_paths)
     length, written, skipped = first["length"], 0, 0
     target, meta = _registry.open_store(
-        out_path, length=length, fingerprint=first["fingerprint"], map_size=max(64 << 20, _total_size(shard_paths))
+        out_path,
+        length=length,
+        fingerprint=first["fingerprint"],
+        map_size=max(64 << 20, _total_size(shard_paths)),
+        pack=first.get("pack", 0),  # a new merged cache packs as its first shard does
     )
     try:
         for path in shard_paths:

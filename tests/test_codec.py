@@ -26,7 +26,7 @@ from test_processes import run_script
 
 import lmdbcache
 from lmdbcache import CorruptSampleError, InvalidOptionError, UnsupportedSampleError
-from lmdbcache._format import PIL_BITS
+from lmdbcache._format import PIL_BITS, VALUE_VERSION
 from lmdbcache._version import FORMAT_VERSION
 from lmdbcache.codec import TORCH_DTYPES, decode, encode
 
@@ -46,7 +46,7 @@ def packb(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def make_value(structure: bytes, buffers=(), index: int = INDEX, version: int = FORMAT_VERSION) -> bytes:
+def make_value(structure: bytes, buffers=(), index: int = INDEX, version: int = VALUE_VERSION) -> bytes:
     """A value with valid checksums around any structure: crafted records reach the parser itself."""
     seed = index if version >= 2 else 0
     data_hash = seed
@@ -359,7 +359,7 @@ def test_value_layout_is_stable():
     """The bytes of known samples match the documented layout (a change here needs a FORMAT_VERSION bump)."""
     value = encode((torch.tensor([1, 2], dtype=torch.uint8), 5), 9)
     magic, size, structure_hash, data_hash = struct.unpack_from("<4sIQQ", value)
-    assert magic == b"LMC\x02" and FORMAT_VERSION == 2
+    assert magic == b"LMC\x02" and FORMAT_VERSION == 3  # format 3 changed the metadata, not the values
     structure = value[24 : 24 + size]
     assert structure_hash == xxhash.xxh3_64_intdigest(structure, seed=9)
     assert data_hash == xxhash.xxh3_64_intdigest(b"\x01\x02", seed=9)
