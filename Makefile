@@ -53,6 +53,7 @@ bench: install
 	$(PY) -m bench.run
 	$(PY) -m bench.loader --reps 3
 	$(PY) -m bench.cold --reps 3
+	$(PY) -m bench.pack --reps 3
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis .ruff_cache .mypy_cache

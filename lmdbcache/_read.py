@@ -13,6 +13,12 @@ a page fault per 4 KiB (issue #14). Warm, the advice would cost a 147 KiB read h
 (a syscall walking 37 cached pages), so after ``_COLD_RUN`` fast reads it stops again.
 A miss is looked up again in a fresh snapshot and in this process's commit queue before it
 is reported ``MISSING``.
+
+Packs (``_pack``): with packing on, a small value is looked up in its chunk's pack first, then
+as a single record; its span is checked against the pack's header (and the record's bounds
+before that, on the first read of the index) and the value is a slice of the pack, decoded as
+a single record is. Scans merge packs and singles in index order, and report an index stored
+in both (a hostile file).
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ _UNKEY = struct.Struct(">Q").unpack
 _PKEY = _pack.key
 _TAG = _pack.TAG
 _span = _pack.span
+_pair = struct.Struct("<II").unpack_from
+assert _pack.SMALL == PREFETCH_MIN  # a packed value is small: read by the small-value path, never _large
 _decode = codec.decode
 _monotonic = time.monotonic
 _READER_MAX_AGE = 0.25  # seconds a kept read transaction may pin its snapshot
@@ -82,7 +90,10 @@ class ReadPath(Handle):
                         whole := txn.get(_PKEY(first := index - index % pack, _TAG))
                     ) is None:
                         raw = txn.get(_KEY(index))  # no packs, or this index's chunk is not packed
-                    else:
+                    elif len(whole) >= 8 + 8 * pack:  # its span, checked here before: decode catches a changed one
+                        at, end = _pair(whole, 8 + 8 * (index - first))
+                        raw = whole[at:end] if 8 < at < end else self._slice(whole, index, first)
+                    else:  # the dataset's last chunk (fewer values), or a broken pack
                         raw = self._slice(whole, index, first)
                 except lmdb.Error as exc:
                     raise self._read_failure(exc, index) from exc

@@ -3,7 +3,9 @@
 A cache directory holds LMDB's ``data.mdb`` and ``lock.mdb`` and our ``lmdbcache.lock``.
 The environment has two named databases: ``meta`` (one record, ``b"meta"``: a msgpack
 map, see ``Store.initialize``) and ``samples`` (key: the index as 8 bytes big-endian, so
-key order is index order; value: one encoded sample, see ``codec``).
+key order is index order; value: one encoded sample, see ``codec``; in a cache created with
+``pack=K``, also the packs of complete chunks of small samples under 9-byte keys that sort
+among them, see ``_pack``).
 
 The metadata record is described in ``_metadata``; the value format in ``codec``.
 
