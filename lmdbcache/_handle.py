@@ -75,6 +75,8 @@ class Handle:
         # A read transaction kept open between hits (see _reader) and when it goes stale.
         self._rtxn: lmdb.Transaction | None = None
         self._rtxn_expires = 0.0
+        # Packs (views) looked up in that kept transaction, by first index; forgotten with it (_read._pack_of).
+        self._packs: dict[int, Any] = {}
         # Byte i set: this process has verified index i's data checksum (checksum="once"). A byte
         # rather than a bit per index: N bytes per process is small, and the test is cheaper.
         self._verified: bytearray | None = None
@@ -253,6 +255,7 @@ class Handle:
                 raise translate(exc, self.path, "clearing stale readers of") from exc
 
     def _drop_reader(self) -> None:
+        self._packs.clear()  # views into the transaction's snapshot: never used past it
         txn, self._rtxn = self._rtxn, None
         if txn is not None:
             txn.abort()
