@@ -9,7 +9,7 @@ import struct
 
 import pytest
 from helpers import Synthetic, assert_same, key, raw_cache, sample_for
-from test_cli import _flip_in_file, cli
+from test_cli import SPEC, _flip_in_file, cli
 from test_processes import FILL_SCRIPT, check_cache, run_script, wait_for_count
 
 from lmdbcache import CachedDataset, CorruptCacheError, InvalidOptionError, _registry, precompute, tools
@@ -133,8 +133,8 @@ def test_two_processes_fill_one_packed_cache(cache_dir):
 
 
 def test_repair_of_a_damaged_packed_value_unpacks_the_rest_of_its_chunk(cache_dir):
-    """A flipped byte in a packed value: verify names it; --repair drops it, unpacks its 7 neighbours; refill packs."""
-    precompute(Synthetic(40), cache_dir, num_workers=0, progress=False, pack=8, check_determinism=0)
+    """precompute --pack 8, a flipped packed byte: verify names it; --repair unpacks its 7 neighbours; refill packs."""
+    cli("precompute", SPEC, str(cache_dir), "--arg", "n=40", "--pack", "8", "--workers", "0", "--quiet")
     _flip_in_file(cache_dir / "data.mdb", bytes(sample_for(17)[0].flatten().tolist()))
     assert "1 damaged: 17." in cli("verify", str(cache_dir), "--quiet", check=1).stdout
     reader = CachedDataset.open(cache_dir)
