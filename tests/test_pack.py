@@ -252,3 +252,39 @@ def test_bench_pack_runs_at_tiny_sizes_and_packs_shrink_3_kib_samples(tmp_path, 
     found = bench_pack.main(["--reps", "1", "--n", "300", "--n-jpeg", "8", "--pack", "16", "--sizes", "3KiB", "jpeg"])
     assert found["3KiB"]["16"]["in-order"] < 1.15 < found["3KiB"]["0"]["in-order"]
     assert "| 3KiB | warm on/off |" in capsys.readouterr().out
+
+
+def test_the_loader_reads_packed_batches_like_single_ones(tmp_path):
+    """The loader's batches (gathered straight from the map) are equal on a packed and an unpacked cache."""
+    order = list(range(50))
+    fill(tmp_path / "packed", 50, order, pack=8)
+    fill(tmp_path / "single", 50, order, pack=0)
+    packed, single = CachedDataset.open(tmp_path / "packed"), CachedDataset.open(tmp_path / "single")
+    for a, b in zip(packed.loader(7, shuffle=True, seed=1), single.loader(7, shuffle=True, seed=1), strict=True):
+        assert_same(a, b)
+    packed.close()
+    single.close()
+
+
+@pytest.mark.parametrize("pack", ["8", -1, 4097])
+def test_hostile_pack_metadata_is_a_clear_error(cache_dir, pack):
+    """A metadata field 'pack' that is not an integer from 0 to 4096 is CorruptCacheError naming the field."""
+    import msgpack
+
+    fill(cache_dir, 8, range(8))
+    with raw_cache(cache_dir) as (txn, _, meta_db):
+        txn.put(b"meta", msgpack.packb({**msgpack.unpackb(txn.get(b"meta", db=meta_db)), "pack": pack}), db=meta_db)
+    with pytest.raises(CorruptCacheError, match="field 'pack' is"):
+        CachedDataset.open(cache_dir)
+
+
+def test_a_pack_key_in_a_cache_without_packs_is_damage(cache_dir):
+    """A 9-byte pack key in a cache created without packs: the scan and verify call it damage, reads skip it."""
+    fill(cache_dir, 16, range(16), pack=0)
+    with raw_cache(cache_dir) as (txn, samples, _):
+        txn.put(key(8) + b"P", b"LMPK" + bytes(12), db=samples)
+    with _registry.opened(str(cache_dir)) as store, pytest.raises(CorruptCacheError, match="key of 9 bytes"):
+        list(store.iter_keys())
+    ds = CachedDataset.open(cache_dir)
+    assert_same(ds[8], sample_for(8))
+    ds.close()
