@@ -43,16 +43,19 @@ lint: install
 	$(PY) -m ruff format --check lmdbcache tests scripts bench
 	$(PY) -m mypy lmdbcache
 
-# Peers are installed so they cannot replace the CPU torch (none of them requires torch;
+# Peers are installed so they cannot replace the CPU torch (none of them requires torch but
+# torchdata, whose `torch>=2` the installed CPU torch satisfies: `pip install --dry-run` keeps it;
 # kappadata's dependencies would pull torchvision, timm and a CUDA torch, hence --no-deps).
 # A peer that cannot be installed is skipped, with a note in the results.
 bench: install
 	$(PY) -m pip install --quiet -e ".[bench]"
 	-$(PY) -m pip install --quiet diskcache datasets
 	-$(PY) -m pip install --quiet --no-deps kappadata
+	-$(PY) -m pip install --quiet torchdata==0.11.0 spdl==0.8.0
 	$(PY) -m bench.run
 	$(PY) -m bench.loader --reps 3
 	$(PY) -m bench.cold --reps 3
+	$(PY) -m bench.compress --reps 3
 	$(PY) -m bench.pack --reps 3
 
 clean:

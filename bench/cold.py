@@ -10,9 +10,22 @@ Each pass reads a random permutation in one process:
 - ``lmdbcache-first``: ``ds[i]`` in a freshly opened dataset (the first epoch of a process);
 - ``lmdbcache``: then ``ds[i]`` again, every index verified (the epochs after the first);
 - ``pread``: ``os.pread`` of each value's bytes at its offset in the plain file (the disk's
-  random-read rate at this access size, nothing decoded).
+  random-read rate at this access size, nothing decoded);
+- ``ds.loader``: one shuffled epoch of ``ds.loader(64, num_threads=2)`` (batch tensors filled
+  from the map by two copy threads);
+- ``DataLoader``: one shuffled epoch of ``DataLoader(ds, 64, num_workers=2,
+  collate_fn=lmdbcache.collate)``, the workers forked with the pages already evicted.
 
-Device bytes per sample come from /proc/self/io ``read_bytes``, against the stored value size.
+The three ``ds[i]``/``pread`` rows read one value at a time; the loader rows have two reads in
+flight, so they can pass the one-at-a-time ``pread`` rate.
+
+Device bytes per sample: /proc/self/io ``read_bytes``, against the stored value size. It
+counts every thread of this process and, for the DataLoader row, its worker processes: the
+kernel adds a child's I/O counts to its parent's when the child is reaped (``wait_task_zombie``;
+checked here: a forked child's mmap reads of the whole file appear in the parent's count after
+``waitpid``), and DataLoader joins its workers at the end of the epoch, which the pass asserts
+(no child left in /proc/self/task/<tid>/children). Adding ``getrusage(RUSAGE_CHILDREN)`` or
+the workers' own /proc/<pid>/io on top would count their reads twice.
 Warm passes re-read everything right before the timed pass. Medians over repetitions,
 systems interleaved in every repetition.
 """
@@ -30,6 +43,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import lmdb
+import torch
+from torch.utils.data import DataLoader
 
 import lmdbcache
 
@@ -41,11 +56,21 @@ _MADV_DONTNEED = 4
 
 
 def read_bytes() -> int:
+    """Bytes read from the device by this process's threads and its reaped children."""
     with open("/proc/self/io") as f:
         for line in f:
             if line.startswith("read_bytes:"):
                 return int(line.split()[1])
     return 0
+
+
+def children() -> list[str]:
+    """Pids of this process's live children (/proc/self/task/<tid>/children)."""
+    pids = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/children") as f:
+            pids += f.read().split()
+    return pids
 
 
 def unmap_pages(data_file: str) -> None:
@@ -70,6 +95,7 @@ def evict(path: str) -> None:
 
 
 def timed(run: Callable[[], None], n: int) -> tuple[float, int]:
+    """Samples/s and device bytes of one pass."""
     before = read_bytes()
     start = time.perf_counter()
     run()
@@ -112,7 +138,32 @@ def workload(work: Path, name: str, n: int, shape: tuple[int, ...], reps: int) -
         for i in order:
             pread(fd, sizes[i], offsets[i])
 
-    cold: dict[str, list[tuple[float, int]]] = {"lmdbcache-first": [], "lmdbcache": [], "pread": []}
+    def read_loader(ds: lmdbcache.CachedDataset, rep: int) -> Callable[[], None]:
+        def run() -> None:
+            loader = ds.loader(64, shuffle=True, seed=rep, num_threads=2)
+            count = sum(len(batch[1]) for batch in loader)
+            loader.close()
+            assert count == n
+
+        return run
+
+    def read_dataloader(ds: lmdbcache.CachedDataset, rep: int) -> Callable[[], None]:
+        def run() -> None:
+            g = torch.Generator().manual_seed(rep)
+            batches = DataLoader(ds, 64, shuffle=True, generator=g, num_workers=2, collate_fn=lmdbcache.collate)
+            assert sum(len(batch[1]) for batch in batches) == n
+            # The workers' reads count in /proc/self/io once they are reaped (see the docstring).
+            assert not children(), "DataLoader workers still alive at the end of the epoch"
+
+        return run
+
+    cold: dict[str, list[tuple[float, int]]] = {
+        "lmdbcache-first": [],
+        "lmdbcache": [],
+        "pread": [],
+        "ds.loader": [],
+        "DataLoader": [],
+    }
     warm: dict[str, list[float]] = {"lmdbcache": [], "pread": []}
     for rep in range(reps):
         random.Random(rep).shuffle(order)
@@ -129,6 +180,12 @@ def workload(work: Path, name: str, n: int, shape: tuple[int, ...], reps: int) -
         cold["lmdbcache"].append(timed(read_cached(ds), n))  # every index verified: the fast path
         evict(str(plain))
         cold["pread"].append(timed(read_plain, n))
+        unmap_pages(data_file)
+        evict(data_file)
+        cold["ds.loader"].append(timed(read_loader(ds, rep), n))
+        unmap_pages(data_file)
+        evict(data_file)
+        cold["DataLoader"].append(timed(read_dataloader(ds, rep), n))
         read_cached(ds)()
         warm["lmdbcache"].append(timed(read_cached(ds), n)[0])
         read_plain()

@@ -5,16 +5,27 @@
 One run, one process (DataLoader workers aside), warm page cache: each system's files are
 re-read right before each of its epochs. Batch 64, shuffled; every epoch is checked to
 yield each index exactly once. After one untimed epoch per system, the systems are timed
-interleaved, one epoch each per repetition; figures are medians over ``--reps``
-repetitions (min-max beside), ratios taken in this run. The peers read the same bytes from one ``.npy`` memmap. Rows:
+interleaved, one epoch each per repetition, an epoch timed from its start until the consumer
+holds its last batch (teardown after it is not timed); figures are medians over ``--reps``
+repetitions (min-max beside), ratios taken in this run. The peers read the same bytes from
+one ``.npy`` memmap. Rows:
 
 - DataLoader over the memmap, 2 workers (today's recipe, the 1.00x row) and 0 workers
-- a whole-batch gather from the memmap on a 2-thread pool (what torchdata.nodes'
-  ParallelMapper(method="thread") over batches does, written with concurrent.futures;
-  torchdata and SPDL themselves are not installed here)
+- torchdata.nodes 0.11 per sample: ``ParallelMapper(method="thread", num_workers=2)`` of the
+  memmap dataset's ``__getitem__``, ``Batcher(64)``, ``default_collate``
+- torchdata.nodes whole batch: ``ParallelMapper(method="thread", num_workers=2)`` mapping a
+  batch of indices to ``np.take`` of the memmap's rows (a new tensor per batch)
+- SPDL 0.8: ``PipelineBuilder`` with the batches of indices as source, ``pipe(gather,
+  concurrency=2)`` (the same gather), a sink, ``build(num_threads=2)``
 - DataLoader(2 workers) over the CachedDataset, default_collate and ``lmdbcache._collate.collate``
 - ``ds.loader`` at 1 and 2 copy threads
+- raw py-lmdb: a plain LMDB file holding each sample's bytes under its index, ``txn.get`` with
+  ``buffers=True`` copied into a reused batch buffer, the batch split over 1 and 2 threads
+  (no checks, no format: the floor of reading LMDB from Python)
 - memcpy limit: ``np.take`` of memmap rows into a reused buffer, 1 and 2 threads
+
+A peer that cannot be imported (``make bench`` installs torchdata and spdl) is skipped with a
+note; its row says so, and the best-peer ratio is taken over the peers that ran.
 
 After the table, per workload:
 
@@ -42,9 +53,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from lmdbcache import CachedDataset
 from lmdbcache._collate import collate
@@ -99,22 +111,101 @@ def dataloader(ds: Dataset, workers: int, collate_fn: Any = None) -> Callable[[i
     return run
 
 
-def memmap_gather_pool(npy: str, threads: int) -> Callable[[int], Iterator[torch.Tensor]]:
-    """Whole batches gathered from the memmap (new tensors each), ``threads`` batches in flight."""
+Run = Callable[[int], Iterator[torch.Tensor]]
+
+
+def skipped(peer: str, exc: Exception) -> None:
+    print(f"  note: {peer} skipped, it cannot be imported ({type(exc).__name__}: {exc})", flush=True)
+
+
+def memmap_gather(npy: str) -> Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]]:
+    """A whole batch from the memmap in one ``np.take`` (a new tensor per batch): the peers' map function."""
     mm = np.load(npy, mmap_mode="r")
 
     def gather(indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.from_numpy(np.take(mm, indices, axis=0)), torch.tensor(indices)
 
+    return gather
+
+
+def torchdata_per_sample(ds: Dataset, n: int) -> Run | None:
+    try:
+        from torchdata.nodes import Batcher, IterableWrapper, Loader, Mapper, ParallelMapper
+    except ImportError as exc:
+        return skipped("torchdata.nodes", exc)
+
+    def run(epoch: int) -> Iterator[torch.Tensor]:
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(epoch)).tolist()
+        node = ParallelMapper(IterableWrapper(perm), ds.__getitem__, num_workers=2, method="thread")
+        for batch in Loader(Mapper(Batcher(node, BATCH, drop_last=False), default_collate)):
+            yield batch[1]
+
+    return run
+
+
+def torchdata_whole_batch(npy: str, n: int) -> Run | None:
+    try:
+        from torchdata.nodes import IterableWrapper, Loader, ParallelMapper
+    except ImportError as exc:
+        return skipped("torchdata.nodes", exc)
+    gather = memmap_gather(npy)
+
+    def run(epoch: int) -> Iterator[torch.Tensor]:
+        node = ParallelMapper(IterableWrapper(order(n, epoch)), gather, num_workers=2, method="thread")
+        for batch in Loader(node):
+            yield batch[1]
+
+    return run
+
+
+def spdl_whole_batch(npy: str, n: int) -> Run | None:
+    try:
+        from spdl.pipeline import PipelineBuilder
+    except ImportError as exc:
+        return skipped("spdl.pipeline", exc)
+    gather = memmap_gather(npy)
+
+    def run(epoch: int) -> Iterator[torch.Tensor]:
+        builder = PipelineBuilder().add_source(order(n, epoch)).pipe(gather, concurrency=2).add_sink(3)
+        pipeline = builder.build(num_threads=2)
+        with pipeline.auto_stop():
+            for batch in pipeline.get_iterator():
+                yield batch[1]
+
+    return run
+
+
+def write_raw_lmdb(npy: str, path: Path) -> None:
+    """Each row's bytes under its index (8 bytes, big-endian): LMDB with nothing of lmdbcache's on top."""
+    mm = np.load(npy, mmap_mode="r")
+    env = lmdb.open(str(path), map_size=2 * mm.nbytes + (64 << 20))
+    with env.begin(write=True) as txn:
+        for i in range(len(mm)):
+            txn.put(i.to_bytes(8, "big"), mm[i].tobytes(), append=True)
+    env.close()
+
+
+def raw_lmdb(env: lmdb.Environment, n: int, shape: tuple[int, ...], threads: int) -> Run:
+    """``txn.get`` (buffers=True) of each sample copied into one reused buffer, the batch split over ``threads``."""
+    buf = np.empty((BATCH, int(np.prod(shape))), np.uint8)
+    keys = [i.to_bytes(8, "big") for i in range(n)]
+
+    def part(indices: list[int], lo: int) -> None:
+        with env.begin(buffers=True) as txn:
+            get = txn.get
+            for j, i in enumerate(indices, lo):
+                buf[j] = np.frombuffer(get(keys[i]), np.uint8)
+
     def run(epoch: int) -> Iterator[torch.Tensor]:
         with ThreadPoolExecutor(threads) as pool:
-            batches = order(len(mm), epoch)
-            pending = [pool.submit(gather, b) for b in batches[:threads]]
-            for k in range(len(batches)):
-                batch = pending.pop(0).result()
-                if k + threads < len(batches):
-                    pending.append(pool.submit(gather, batches[k + threads]))
-                yield batch[1]
+            for indices in order(n, epoch):
+                step = -(-len(indices) // threads)
+                if threads == 1:
+                    part(indices, 0)
+                else:
+                    for f in [pool.submit(part, indices[lo : lo + step], lo) for lo in range(0, len(indices), step)]:
+                        f.result()
+                yield torch.tensor(indices)
 
     return run
 
@@ -147,7 +238,10 @@ def cache_loader(ds: CachedDataset, threads: int) -> Callable[[int], Iterator[to
     def run(epoch: int) -> Iterator[torch.Tensor]:
         loader.set_epoch(epoch)
         for batch in loader:
-            yield batch[1]
+            # A copy of the labels: the exactly-once check keeps them to the epoch's end, and a view
+            # would keep the batch's ring slot in use, so every batch would get a fresh slot
+            # (9.6 MB of new memory to fault in per 3x224x224 batch), as for a user who keeps batches.
+            yield batch[1].clone()
 
     return run
 
@@ -158,9 +252,16 @@ def cache_loader(ds: CachedDataset, threads: int) -> Callable[[int], Iterator[to
 def time_epoch(run: Callable[[int], Iterator[torch.Tensor]], n: int, epoch: int, files: list[Path]) -> float:
     """Samples/s of one epoch, its files re-read first; raises unless each index came exactly once."""
     read_through(*files)
-    start = time.perf_counter()
-    labels = list(run(epoch))
-    elapsed = time.perf_counter() - start
+    labels = []
+    start = last = time.perf_counter()
+    for label in run(epoch):
+        labels.append(label)
+        last = time.perf_counter()
+    # The epoch ends when the consumer holds its last batch; what a system does after that is not
+    # timed: SPDL notices the source's end and stops its event loop by polling every 0.1 s
+    # (spdl/pipeline/_pipeline.py), a fixed cost per pipeline that would be half of a 2,000-sample
+    # epoch here, and DataLoader joins its workers.
+    elapsed = last - start
     seen = torch.cat(labels)
     if seen.numel() != n or not torch.equal(seen.sort().values, torch.arange(n)):
         raise AssertionError("an epoch did not yield each index exactly once")
@@ -181,17 +282,26 @@ def workload(name: str, n: int, shape: tuple[int, ...], reps: int, root: Path) -
         ds.__getitems__(list(range(k, min(n, k + 512))))
     ds.flush()
     assert ds.is_complete
-    systems = [
-        ("DataLoader over the memmap, 2 workers", dataloader(Rows(str(npy)), 2), [npy]),
-        ("DataLoader over the memmap, 0 workers", dataloader(Rows(str(npy)), 0), [npy]),
-        ("whole-batch gather from the memmap, 2-thread pool", memmap_gather_pool(str(npy), 2), [npy]),
-        ("lmdbcache DataLoader, 2 workers", dataloader(ds, 2), [cache]),
-        ("lmdbcache DataLoader, 2 workers, lmdbcache collate", dataloader(ds, 2, collate), [cache]),
-        ("ds.loader, 1 thread", cache_loader(ds, 1), [cache]),
-        ("ds.loader, 2 threads", cache_loader(ds, 2), [cache]),
-        ("memcpy limit: np.take into a reused buffer, 1 thread", memcpy(str(npy), 1), [npy]),
-        ("memcpy limit: np.take into a reused buffer, 2 threads", memcpy(str(npy), 2), [npy]),
+    raw = root / f"{name}.raw.lmdb"
+    write_raw_lmdb(str(npy), raw)
+    raw_env = lmdb.open(str(raw), readonly=True, lock=False)  # one per process: py-lmdb refuses a second
+    memmap = Rows(str(npy))
+    candidates: list[tuple[str, Run | None, list[Path]]] = [
+        (DL2, dataloader(memmap, 2), [npy]),
+        (DL0, dataloader(memmap, 0), [npy]),
+        (TD_SAMPLE, torchdata_per_sample(memmap, n), [npy]),
+        (TD_BATCH, torchdata_whole_batch(str(npy), n), [npy]),
+        (SPDL, spdl_whole_batch(str(npy), n), [npy]),
+        (OURS_DL, dataloader(ds, 2), [cache]),
+        (OURS_DL_COLLATE, dataloader(ds, 2, collate), [cache]),
+        (LOADER1, cache_loader(ds, 1), [cache]),
+        (LOADER2, cache_loader(ds, 2), [cache]),
+        (RAW1, raw_lmdb(raw_env, n, shape, 1), [raw]),
+        (RAW2, raw_lmdb(raw_env, n, shape, 2), [raw]),
+        (MEMCPY1, memcpy(str(npy), 1), [npy]),
+        (MEMCPY2, memcpy(str(npy), 2), [npy]),
     ]
+    systems = [(label, run, files) for label, run, files in candidates if run is not None]
     for _, run, files in systems:  # one untimed epoch each: DataLoader imports, this process's first checks
         time_epoch(run, n, 0, files)
     rates: list[list[float]] = [[] for _ in systems]
@@ -200,8 +310,26 @@ def workload(name: str, n: int, shape: tuple[int, ...], reps: int, root: Path) -
             rates[k].append(time_epoch(run, n, epoch, files))
         print(f"  {name} repetition {epoch}: " + ", ".join(f"{r[-1]:,.0f}" for r in rates), flush=True)
     ds.close()
+    raw_env.close()
     EXTRA[name] = {"memory": memory(cache, n, int(np.prod(shape))), "busy": busy_trainer(cache, n, reps)}
-    return [(label, r) for (label, _, _), r in zip(systems, rates)]
+    measured = {label: r for (label, _, _), r in zip(systems, rates)}
+    return [(label, measured.get(label, [])) for label, _, _ in candidates]
+
+
+DL2 = "DataLoader over the memmap, 2 workers"
+DL0 = "DataLoader over the memmap, 0 workers"
+TD_SAMPLE = "torchdata.nodes 0.11: ParallelMapper(thread, 2) per sample, Batcher, default_collate"
+TD_BATCH = "torchdata.nodes: ParallelMapper(thread, 2) gathering a whole batch from the memmap"
+SPDL = "SPDL 0.8: pipe(gather a whole batch, concurrency=2), 2 threads"
+OURS_DL = "lmdbcache DataLoader, 2 workers"
+OURS_DL_COLLATE = "lmdbcache DataLoader, 2 workers, lmdbcache collate"
+LOADER1 = "ds.loader, 1 thread"
+LOADER2 = "ds.loader, 2 threads"
+RAW1 = "raw py-lmdb get (buffers=True) into a reused batch, 1 thread"
+RAW2 = "raw py-lmdb get (buffers=True) into a reused batch, 2 threads"
+MEMCPY1 = "memcpy limit: np.take into a reused buffer, 1 thread"
+MEMCPY2 = "memcpy limit: np.take into a reused buffer, 2 threads"
+PEERS = (DL0, TD_BATCH, SPDL)  # the best in-process peers the loader's targets are set against
 
 
 EXTRA: dict[str, dict[str, Any]] = {}
@@ -312,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     for (label, a), (_, b) in zip(big, small):
         cells = []
         for rates, base in ((a, big[0][1]), (b, small[0][1])):
+            if not rates:
+                cells.append("skipped (not importable)")
+                continue
             med = statistics.median(rates)
             cells.append(
                 f"{med / 1e3:,.1f}k ({min(rates) / 1e3:,.1f}-{max(rates) / 1e3:,.1f}) "
@@ -319,20 +450,21 @@ def main(argv: list[str] | None = None) -> int:
             )
         print(f"| {label} | {cells[0]} | {cells[1]} |")
     for name, rows, peer_factor, limit_row, limit_factor in (
-        ("3x224x224", big, 1.5, 8, 0.8),
-        ("3x32x32", small, 1.2, 7, 0.6),
+        ("3x224x224", big, 1.5, MEMCPY2, 0.8),
+        ("3x32x32", small, 1.2, MEMCPY1, 0.6),
     ):
-        med = {label: statistics.median(r) for label, r in rows}
-        ours = max(med[rows[5][0]], med[rows[6][0]])
-        peer = max(med[rows[1][0]], med[rows[2][0]])
-        limit = med[rows[limit_row][0]]
+        med = {label: statistics.median(r) for label, r in rows if r}
+        ours = max(med[LOADER1], med[LOADER2])
+        peer_label = max((p for p in PEERS if p in med), key=med.__getitem__)
+        peer, limit = med[peer_label], med[limit_row]
         print(
             f"{name}: ds.loader best {ours:,.0f}/s = {ours / peer:.2f}x the best in-process peer "
-            f"(target {peer_factor}x), {ours / limit:.2f}x '{rows[limit_row][0]}' (target {limit_factor}x)"
+            f"'{peer_label}' {peer:,.0f}/s (target {peer_factor}x), {ours / limit:.2f}x '{limit_row}' "
+            f"(target {limit_factor}x)"
         )
-        workers, collated = med[rows[3][0]], med[rows[4][0]]
+        workers, collated = med[OURS_DL], med[OURS_DL_COLLATE]
         print(
-            f"{name}: DataLoader(2 workers) with lmdbcache collate {collated / med[rows[0][0]]:.2f}x the memmap "
+            f"{name}: DataLoader(2 workers) with lmdbcache collate {collated / med[DL2]:.2f}x the memmap "
             f"DataLoader(2 workers) (target 1.3x on 3x224x224); {collated / workers:.2f}x the same DataLoader "
             "over the cache without it"
         )

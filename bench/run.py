@@ -1,7 +1,7 @@
 """``make bench``: lmdbcache against the alternatives users would pick, side by side, one run.
 
     python -m bench.run [--tiny] [--reps 3] [--jpeg 1000] [--small 20000] [--dict 200]
-                        [--systems ...] [--workloads ...] [--out bench/results]
+                        [--png 20000] [--miss 20000] [--systems ...] [--workloads ...] [--out bench/results]
 
 For each workload (see bench/workloads.py) and system (bench/systems.py) it measures:
 first-epoch samples/s (the fill, or the conversion); warm samples/s in one process (random
@@ -11,6 +11,11 @@ summed PSS of the main process and its workers after that; and, for systems that
 a fresh Python process reusing what was built (time to the first sample, then one pass).
 Ratios are against memmap and bare from the same run; figures are medians of --reps
 repetitions with their spread. Writes latest.md, latest.json and latest.png.
+
+First epochs (``first_epochs``): the fill through an empty CachedDataset against the bare
+source, interleaved, --reps times each, in index order and shuffled, on the CIFAR-like
+``png`` workload and on ``jpeg`` and ``dict``; and the cost of one miss above a trivial
+source (an in-memory uint8 array of 1, 3 and 6 KiB per sample, with an int label).
 """
 
 from __future__ import annotations
@@ -175,6 +180,76 @@ def run_workload(workload: Workload, systems: list, work: Path, reps: int, log, 
     return out
 
 
+# First-epoch targets: the fill / bare ratio for a workload (issue #11), and microseconds per miss.
+FIRST_EPOCH_TARGETS = {"png": 0.9, "jpeg": 0.95, "dict": 0.9}
+MISS_TARGET_US = 15.0
+MISS_SIZES = {"1 KiB": (1, 32, 32), "3 KiB": (3, 32, 32), "6 KiB": (6, 32, 32)}
+
+
+def _fill_rate(source, order: list[int], path: Path) -> float:
+    """One first epoch through an empty cache: every index once, then the last commit (flush), timed."""
+    import lmdbcache
+
+    ds = lmdbcache.CachedDataset(source, path, spot_check=0)
+    start = time.perf_counter()
+    for i in order:
+        ds[i]
+    ds.flush()
+    rate = len(order) / (time.perf_counter() - start)
+    ds.close()
+    shutil.rmtree(path)
+    return rate
+
+
+def first_epochs(work: Path, sizes: dict[str, int], reps: int, log) -> dict:
+    """Fill vs bare (in order and shuffled), and per-miss overhead on a trivial source; interleaved, medians."""
+    from .workloads import ArrayDataset, tensor_data
+
+    out: dict = {"workloads": {}, "miss_us": {}}
+    scratch = work / "runs" / "first-epoch"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    for name in ("png", "jpeg", "dict"):
+        workload = Workload(name, sizes[name], work / "data")
+        source = workload.source()
+        entry = out["workloads"][name] = {"n": workload.n}
+        for shuffled in (False, True):
+            order = list(range(workload.n))
+            bare, fill = [], []
+            for rep in range(reps):
+                if shuffled:
+                    random.Random(rep).shuffle(order)
+                bare.append(_rate(source, order))
+                fill.append(_fill_rate(source, order, scratch / "cache.lmdb"))
+            key = "shuffled" if shuffled else "in_order"
+            ratios = [f / b for f, b in zip(fill, bare)]
+            entry[key] = {"bare": _stats(bare), "fill": _stats(fill), "ratio": statistics.median(ratios)}
+            log(
+                f"  first epoch {name:5s} {key:9s} bare {statistics.median(bare):>9,.0f}/s  "
+                f"lmdbcache {statistics.median(fill):>9,.0f}/s  ({entry[key]['ratio']:.2f}x)"
+            )
+    n = sizes["miss"]
+    for label, shape in MISS_SIZES.items():
+        source = ArrayDataset(tensor_data(n, shape))
+        order = list(range(n))
+        bare, fill = [], []
+        for _ in range(reps):
+            bare.append(_rate(source, order))
+            fill.append(_fill_rate(source, order, scratch / "cache.lmdb"))
+        over = [1e6 / f - 1e6 / b for f, b in zip(fill, bare)]
+        out["miss_us"][label] = {
+            "bare_us": statistics.median(1e6 / b for b in bare),
+            "fill_us": statistics.median(1e6 / f for f in fill),
+            "over_us": _stats(over),
+        }
+        log(
+            f"  per miss {label}: bare {out['miss_us'][label]['bare_us']:.1f} us, through the cache "
+            f"{out['miss_us'][label]['fill_us']:.1f} us: {statistics.median(over):.1f} us above the source"
+        )
+    shutil.rmtree(scratch, ignore_errors=True)
+    return out
+
+
 def _ratio(results: dict, workload: str, system: str, metric: str, base: str) -> float | None:
     systems = results["workloads"].get(workload, {}).get("systems", {})
     a, b = systems.get(system, {}).get(metric), systems.get(base, {}).get(metric)
@@ -228,6 +303,17 @@ def targets(results: dict) -> list[tuple[str, bool | None, str]]:
         r = _ratio(results, name, "lmdbcache", "fresh_rate", "memmap")
         if r is not None:
             add(f"{name}: fresh-process reuse >= 0.9x memmap's", r, r >= 0.9, f"{r:.2f}x")
+    first = results.get("first_epochs", {})
+    for name, target in FIRST_EPOCH_TARGETS.items():
+        entry = first.get("workloads", {}).get(name)
+        if entry is None:
+            continue
+        for key, label in (("in_order", "in order"), ("shuffled", "shuffled")):
+            r = entry[key]["ratio"]
+            add(f"{name}: first epoch (fill), {label}, >= {target}x bare", r, r >= target, f"{r:.2f}x")
+    for label, entry in first.get("miss_us", {}).items():
+        us = entry["over_us"]["median"]
+        add(f"per-miss overhead, {label} samples, <= {MISS_TARGET_US:.0f} us", us, us <= MISS_TARGET_US, f"{us:.1f} us")
     return out
 
 
@@ -275,6 +361,30 @@ def markdown(results: dict) -> str:
                 f"{_fmt_rate(e.get('warm_loader'))} | {memory} | "
                 f"{first_text} | "
                 f"{_fmt_rate(e.get('fresh_rate'))}{'' if fresh_mm is None else f' ({fresh_mm:.2f}×)'} |"
+            )
+        lines.append("")
+    first = results.get("first_epochs")
+    if first:
+        lines += [
+            "## First epochs: filling an empty cache vs the bare source",
+            "",
+            "| workload | order | bare /s | lmdbcache fill /s (last commit included) | × bare |",
+            "|---|---|--:|--:|--:|",
+        ]
+        for name, entry in first["workloads"].items():
+            for key in ("in_order", "shuffled"):
+                e = entry[key]
+                lines.append(
+                    f"| {name} ({entry['n']}) | {key.replace('_', ' ')} | {_fmt_rate(e['bare'])} | "
+                    f"{_fmt_rate(e['fill'])} | {e['ratio']:.2f} |"
+                )
+        lines += ["", "| trivial source, per sample | bare µs | through the cache µs | µs per miss above the source |"]
+        lines += ["|---|--:|--:|--:|"]
+        for label, e in first["miss_us"].items():
+            over = e["over_us"]
+            lines.append(
+                f"| {label} uint8 + int label | {e['bare_us']:.1f} | {e['fill_us']:.1f} | "
+                f"{over['median']:.1f} ({over['min']:.1f}–{over['max']:.1f}) |"
             )
         lines.append("")
     lines += [f"## {TARGETS_NOTE}", ""]
@@ -342,13 +452,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--jpeg", type=int, default=None)
     parser.add_argument("--small", type=int, default=None)
     parser.add_argument("--dict", type=int, default=None)
+    parser.add_argument("--png", type=int, default=None, help="samples of the first-epoch png workload")
+    parser.add_argument("--miss", type=int, default=None, help="samples per per-miss overhead measurement")
+    parser.add_argument("--no-first-epochs", action="store_true", help="skip the first-epoch section")
     parser.add_argument("--workloads", nargs="+", default=["jpeg", "small", "dict"])
     parser.add_argument("--systems", nargs="+", default=[s.name for s in SYSTEMS])
     parser.add_argument("--work", type=Path, default=ROOT / "bench" / "work")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
-    sizes = {"jpeg": 24, "small": 256, "dict": 6} if args.tiny else {"jpeg": 1000, "small": 20000, "dict": 200}
+    sizes = (
+        {"jpeg": 24, "small": 256, "dict": 6, "png": 64, "miss": 256}
+        if args.tiny
+        else {"jpeg": 1000, "small": 20000, "dict": 200, "png": 20000, "miss": 20000}
+    )
     for name in sizes:
         if getattr(args, name) is not None:
             sizes[name] = getattr(args, name)
@@ -381,6 +498,9 @@ def main(argv: list[str] | None = None) -> dict:
         applicable = [s for s in systems if s.applies(workload)]
         log(f"{name}: {workload.n} samples, systems: {', '.join(s.name for s in applicable)}")
         results["workloads"][name] = run_workload(workload, applicable, args.work, reps, log, fork=args.tiny)
+    if not args.no_first_epochs:
+        log("first epochs: fill vs bare, and per-miss overhead")
+        results["first_epochs"] = first_epochs(args.work, sizes, reps, log)
     results["seconds"] = time.perf_counter() - start
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "latest.json").write_text(json.dumps(results, indent=2))

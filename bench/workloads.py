@@ -6,6 +6,9 @@
   CIFAR datasets hold it. Per-sample overhead dominates.
 - ``dict``: ``{"features": float32 tensor 1x80x3000, "tokens": [int64 tensors of varied
   length], "text": str}``, generated per index: a generic nested sample.
+- ``png`` (first epochs only): 32x32 RGB PNG files decoded with Pillow: ``(uint8 tensor
+  3x32x32, int label)``. The CIFAR-like case of a real but cheap decode (a synthetic 3 us
+  source makes any cache look slow).
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ __all__ = [
     "DictDataset",
     "JpegFolder",
     "MemmapDataset",
+    "PngFolder",
     "Workload",
     "make_jpeg_folder",
+    "make_png_folder",
     "tensor_data",
     "write_npy",
 ]
@@ -67,6 +72,40 @@ class DictDataset(Dataset):
             "tokens": [torch.randint(0, 50_000, (k,), generator=g) for k in lengths],
             "text": f"utterance {i}: " + "x" * int(lengths[0]),
         }
+
+
+def make_png_folder(root: Path, n: int, seed: int = 0) -> Path:
+    """``n`` 32x32 RGB PNG files (smooth blobs plus noise, ~2-3 KB each, like CIFAR's); reused if present."""
+    from PIL import Image
+
+    root.mkdir(parents=True, exist_ok=True)
+    marker = root / f".complete-{n}-{seed}"
+    if marker.exists():
+        return root
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        coarse = rng.integers(0, 256, size=(8, 8, 3)).astype(np.float32)
+        img = np.kron(coarse, np.ones((4, 4, 1))) + rng.normal(0, 10, size=(32, 32, 3))
+        Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(root / f"{i:06d}.png")
+    marker.touch()
+    return root
+
+
+class PngFolder(Dataset):
+    """CIFAR-like decode: Pillow opens a 32x32 PNG; CHW uint8 tensor + label."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.files = sorted(Path(root).glob("*.png"))
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int):
+        from PIL import Image
+
+        with Image.open(self.files[i]) as im:
+            arr = np.asarray(im.convert("RGB"))
+        return torch.from_numpy(arr.transpose(2, 0, 1).copy()), i % 10
 
 
 class MemmapDataset(Dataset):
@@ -118,6 +157,8 @@ class Workload:
             return ArrayDataset(tensor_data(self.n, (3, 32, 32)))
         if self.name == "dict":
             return DictDataset(self.n)
+        if self.name == "png":
+            return PngFolder(make_png_folder(self.data / f"png-{self.n}", self.n))
         raise ValueError(f"unknown workload {self.name!r}")
 
     def payload_bytes(self, source: Dataset) -> int:

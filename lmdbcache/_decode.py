@@ -15,6 +15,9 @@ import xxhash
 
 from ._format import (
     BIGINT,
+    FLAT,
+    FRAMED_MAGIC,
+    HEAD,
     HEAD_AND_FIRST,
     HEAD_AND_FLAT,
     HEAD_SIZE,
@@ -34,6 +37,7 @@ from ._format import (
     V1_STRUCTURED,
     pillow,
 )
+from ._frames import take as take_frame
 from ._records import (
     ARRAY_SPECS,
     STRUCT_SPECS,
@@ -92,12 +96,17 @@ def decode(value: bytes | memoryview, index: int, *, verify_data: bool = True) -
         magic, size, structure_hash, data_hash, first, sig_size = _short_head(mv)
     if not 0 <= index <= MAX_INDEX:
         raise InvalidOptionError(f"Cannot decode index {index!r}: an index is an int from 0 to 2**64 - 1.")
-    seed = index if magic == MAGIC else _format_1_seed(magic)
+    if magic != MAGIC:
+        if magic == FRAMED_MAGIC:  # compressed buffers (see the format): never the flat fast path
+            return _decode_framed(mv, index, verify_data)
+        seed = _format_1_seed(magic)
+    else:
+        seed = index
     end = 24 + size  # HEAD_SIZE, spelled out on the hot path
     if _xxh3(structure := mv[24:end], seed) != structure_hash:
         raise CorruptSampleError(_WRONG_STRUCTURE)
     if first != 0xC1:  # else a flat tuple (see the format), decoded inline: this is the per-sample hot path
-        return _decode_msgpack(mv, structure, end, seed, data_hash, verify_data, magic != MAGIC)
+        return decode_msgpack(mv, structure, end, seed, data_hash, verify_data, magic != MAGIC)
     try:
         signature = mv[25 : 27 + sig_size]  # hashable (a read-only byte view); with its length, so a hit checks that
         plan = _PLANS.get(signature) or _plan(bytes(signature))
@@ -138,7 +147,7 @@ def _short_head(mv: memoryview) -> tuple[bytes, int, int, int, int, int]:
 
 
 def _format_1_seed(magic: bytes) -> int:
-    """The checksum seed of a value whose version byte is not FORMAT_VERSION: 0 for format 1."""
+    """The checksum seed of a value whose header is neither ``MAGIC`` nor ``FRAMED_MAGIC``: 0 for format 1."""
     if magic[:3] != b"LMC":
         raise CorruptSampleError(f"bad magic {bytes(magic[:3])!r} (expected b'LMC'): not an lmdbcache value")
     version = magic[3]
@@ -234,12 +243,20 @@ def _plan(key: bytes) -> _Plan:
 # The msgpack form
 
 
-def _decode_msgpack(
-    mv: memoryview, structure: memoryview, end: int, seed: int, data_hash: int, verify: bool, v1: bool
+def decode_msgpack(
+    mv: memoryview,
+    structure: memoryview,
+    end: int,
+    seed: int,
+    data_hash: int,
+    verify: bool,
+    v1: bool,
+    decoder: type[Decoder] | None = None,
 ) -> Any:
+    """The sample of a msgpack-form value; ``decoder`` takes its buffers (``_compress`` passes its framed one)."""
     if end > len(mv):
         raise CorruptSampleError(f"the structure runs past the end of the value ({end} > {len(mv)} bytes)")
-    dec = _Decoder(mv, end, seed, verify, v1)
+    dec = (decoder or Decoder)(mv, end, seed, verify, v1)
     try:
         sample = dec.unpack(structure)
     except CorruptSampleError:
@@ -255,7 +272,7 @@ def _decode_msgpack(
     return sample
 
 
-class _Decoder:
+class Decoder:
     """Decodes one msgpack-form value; ``hook`` is msgpack's ext_hook and walks the buffers in order.
 
     With ``verify`` false the data checksum is not computed; every length is still checked.
@@ -364,3 +381,57 @@ class _Decoder:
             list_hook=None if self.v1 else self.list_hook,
             unicode_errors="surrogatepass",
         )
+
+
+# ----------------------------------------------------------------------------------------
+# The framed form (compressed buffers)
+
+
+def _decode_framed(mv: memoryview, index: int, verify: bool) -> Any:
+    """The sample in a framed value (see "Compressed values"); ``decode`` read its header."""
+    _, size, structure_hash, data_hash = HEAD.unpack_from(mv)
+    end = HEAD_SIZE + size
+    if not size or end > len(mv):
+        raise CorruptSampleError("the structure runs past the end of the value")
+    structure = mv[HEAD_SIZE:end]
+    if _xxh3(structure, index) != structure_hash:
+        raise CorruptSampleError(_WRONG_STRUCTURE)
+    if structure[0] != FLAT:
+        return decode_msgpack(mv, structure, end, index, data_hash, verify, False, _Framed)
+    try:
+        sig = U16.unpack_from(structure, 1)[0]
+        unpack_scalars, scalars_at, struct_size, _, tensors, order, _ = flat_plan(bytes(structure[1 : 3 + sig]))
+        if size != struct_size:
+            raise CorruptSampleError("the flat structure's lengths do not add up to the value's")
+        scalars = unpack_scalars(mv, scalars_at)
+        out, pos, digest = [], end, index
+        for nbytes, dtype, shape, view in tensors:
+            buf, pos = take_frame(mv, pos, nbytes)
+            if verify:
+                digest = _xxh3(buf, digest)
+            t = _from_numpy(_ndarray(shape, dtype, buf))
+            out.append(t if view is None else t.view(view))
+    except CorruptSampleError:
+        raise
+    except Exception as exc:
+        raise CorruptSampleError(f"the flat structure does not parse ({type(exc).__name__}: {exc})") from None
+    if pos != len(mv):
+        raise CorruptSampleError(f"the value ends at byte {len(mv)}, not where its last frame does ({pos})")
+    if verify and digest != data_hash:
+        raise CorruptSampleError("the data checksum does not match")
+    return (*out, *scalars) if order is None else tuple([out[k] if k >= 0 else scalars[~k] for k in order])
+
+
+class _Framed(Decoder):
+    """The msgpack form's decoder, taking each buffer from its frame."""
+
+    __slots__ = ()
+
+    def take(self, nbytes: int) -> bytearray:
+        buf, self.pos = take_frame(self.value, self.pos, nbytes)
+        if self.verify:
+            self.data_hash = _xxh3(buf, self.data_hash)
+        return buf
+
+    def view(self, nbytes: int) -> memoryview:
+        return memoryview(self.take(nbytes))

@@ -9,7 +9,8 @@ from __future__ import annotations
 import operator
 import struct
 import sys
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import msgpack
 import numpy as np
@@ -47,6 +48,7 @@ from ._format import (
     torch_dtypes,
     typename,
 )
+from ._records import remember
 from .errors import CorruptSampleError, InvalidOptionError, UnsupportedSampleError
 
 if TYPE_CHECKING:
@@ -337,8 +339,44 @@ def _image(im: Any, buffers: list[memoryview]) -> msgpack.ExtType:
 # The flat form
 
 
+# Compiled flat samples: the item kinds of a sample (a tensor's dtype and shape, a scalar's
+# type) -> (everything before the scalars, their packer, the tensors' positions and carrier
+# dtypes, the scalars' positions). A sample of a known kind is written without the walk: one
+# numpy() view per tensor and one struct pack. Filled by _flat_first, so a sample it could not
+# write (a shape over the limits) never gets a plan.
+_FlatPlan: TypeAlias = "tuple[bytes, Callable[..., bytes], tuple[tuple[int, Any], ...], tuple[int, ...]]"
+_FLAT_PLANS: dict[tuple[Any, ...], _FlatPlan] = {}
+
+
 def _flat(sample: tuple[Any, ...], buffers: list[memoryview]) -> bytes | None:
-    """The flat structure of ``sample`` (see the format), or None if it does not qualify."""
+    """The flat structure of ``sample`` (see the format), or None if it does not qualify.
+
+    The per-miss hot path for (image, label) samples: a sample whose kind has a plan is
+    written with one ``numpy()`` view per tensor (it raises for every tensor the general
+    path refuses or must convert: grad, conj/neg bits, other devices and layouts) and one
+    struct pack; anything else, and the first sample of a kind, goes through _flat_first.
+    """
+    try:
+        key = tuple([(item.dtype, item.shape) if type(item) is _Tensor else type(item) for item in sample])
+    except RuntimeError:  # a nested tensor has no shape: the general form refuses it, with its location
+        return None
+    plan = _FLAT_PLANS.get(key)
+    if plan is None:
+        return _flat_first(sample, buffers, key)
+    prefix, pack_scalars, tensors, scalars = plan
+    start = len(buffers)
+    try:
+        for k, carrier in tensors:
+            arr = (sample[k] if carrier is None else sample[k].view(carrier)).numpy()
+            buffers.append(memoryview(arr).cast("B"))  # TypeError unless C-contiguous
+        return prefix + pack_scalars(*[sample[k] for k in scalars])
+    except (RuntimeError, TypeError, ValueError, struct.error):
+        del buffers[start:]  # the general path writes (or refuses) this one
+        return _flat_first(sample, buffers, None)
+
+
+def _flat_first(sample: tuple[Any, ...], buffers: list[memoryview], key: tuple[Any, ...] | None) -> bytes | None:
+    """``_flat``'s general path: check every item, write the sample, and remember its plan under ``key``."""
     if not 0 < len(sample) <= MAX_FLAT_ITEMS:
         return None
     codes: list[Any] = []  # per item: its struct code, or (tensor dtype entry, ndim)
@@ -367,6 +405,8 @@ def _flat(sample: tuple[Any, ...], buffers: list[memoryview]) -> bytes | None:
         return None
     signature: list[bytes] = []
     scalar_codes, scalars = "<", []
+    tensor_at: list[tuple[int, Any]] = []
+    scalar_at: list[int] = []
     for k, (item, code) in enumerate(zip(sample, codes)):
         if type(code) is tuple:
             entry, ndim = code
@@ -375,8 +415,14 @@ def _flat(sample: tuple[Any, ...], buffers: list[memoryview]) -> bytes | None:
             except Unsupported as exc:
                 exc.path.append(f"[{k}]")
                 raise
+            tensor_at.append((k, entry[1]))
         else:
             signature.append(code.encode())
             scalar_codes += code
             scalars.append(item)
-    return _FLAT_FIRST + _pack_u16(size) + b"".join(signature) + struct.pack(scalar_codes, *scalars)
+            scalar_at.append(k)
+    prefix = _FLAT_FIRST + _pack_u16(size) + b"".join(signature)
+    pack = struct.Struct(scalar_codes).pack
+    if key is not None and all(item.numel() for item in sample if type(item) is _Tensor):
+        remember(_FLAT_PLANS, key, (prefix, pack, tuple(tensor_at), tuple(scalar_at)))
+    return prefix + pack(*scalars)

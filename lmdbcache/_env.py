@@ -39,7 +39,7 @@ def open_env(path: str, *, map_size: int, max_readers: int, readonly: bool) -> t
         max_readers=max_readers,
         readahead=False,  # random access: readahead only evicts useful pages
         metasync=False,
-        sync=True,
+        sync=False,  # commits are synced as the store decides (see _fs: the unsynced marker)
         max_spare_txns=1,
         subdir=True,
         create=not readonly,

@@ -19,12 +19,11 @@ from ._version import FORMAT_VERSION
 if TYPE_CHECKING:
     import torch
 
-# The header's version byte: the format that last changed the value layout (format 3 changed
-# only the metadata and added packs, see _pack). A bump that changes the value layout must
-# teach decode() the old one, as format 1 is taught there.
-VALUE_VERSION = 2
-assert VALUE_VERSION <= FORMAT_VERSION
-MAGIC = b"LMC" + bytes([VALUE_VERSION])
+# The header's version byte: 2 for a value as format 2 wrote it (format 3 writes its values
+# unchanged), 3 for a value whose buffers are framed and compressed (format 3, ``_compress``).
+# A bump that changes the value layout must teach decode() the old one, as format 1 is taught there.
+MAGIC = b"LMC\x02"
+FRAMED_MAGIC = b"LMC" + bytes([FORMAT_VERSION])
 HEAD = struct.Struct("<4sIQQ")
 # The header, the structure's first byte and, in a flat structure, its signature length.
 HEAD_AND_FLAT = struct.Struct("<4sIQQBH")

@@ -4,7 +4,15 @@ A cache directory holds LMDB's ``data.mdb`` and ``lock.mdb`` and our ``lmdbcache
 These checks run before LMDB touches a file, so a directory of someone else's files, a
 truncated data file or a full disk is refused with a clear error instead of being
 overwritten or crashing the process (SIGBUS). Also: the filesystem type (LMDB is unsafe on
-network filesystems) and write access.
+network filesystems) and write access; and the unsynced-commits marker (below).
+
+The marker. Commits are not fsynced (a cache can be rebuilt; a sync per commit bounds a fill
+at the disk's flush rate), which a killed process survives (its writes are in the kernel's
+page cache) but a kernel crash or power loss may not: LMDB's pages could reach the disk in
+any order. So before the first unsynced commit, ``lmdbcache.unsynced`` is written (and
+fsynced) holding this boot's id (``/proc/sys/kernel/random/boot_id``); a sync of the whole
+file removes it. A cache opened in another boot with the marker present may be torn and is
+rebuilt. Without a boot id (not Linux) every commit is synced instead.
 """
 
 from __future__ import annotations
@@ -24,14 +32,21 @@ __all__ = [
     "check_dir",
     "check_free_space",
     "check_size",
+    "clear_unsynced",
     "filesystem_type",
+    "mark_unsynced",
     "remove_lmdb_files",
+    "sync_data_file",
+    "unsynced_in_another_boot",
     "warn_if_network_fs",
     "writable",
 ]
 
 DATA_FILE, LOCK_FILE, WRITE_LOCK = "data.mdb", "lock.mdb", "lmdbcache.lock"
-_OUR_FILES = {DATA_FILE, LOCK_FILE, WRITE_LOCK, "data.mdb-lock"}
+UNSYNCED = "lmdbcache.unsynced"
+_UNSYNCED_TMP = UNSYNCED + ".tmp"
+_OUR_FILES = {DATA_FILE, LOCK_FILE, WRITE_LOCK, "data.mdb-lock", UNSYNCED, _UNSYNCED_TMP}
+BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 _MIN_DATA_FILE = 2 * 4096  # LMDB writes two meta pages before anything else
 
 # Filesystems where LMDB's locking (fcntl locks + a shared-memory lock file) is unsafe.
@@ -137,9 +152,88 @@ def check_size(path: str, needed: int) -> None:
 
 
 def remove_lmdb_files(path: str) -> None:
-    """Delete LMDB's two files (never anything else in the directory)."""
-    for name in (DATA_FILE, LOCK_FILE):
+    """Delete LMDB's two files and the marker that describes them (never anything else in the directory)."""
+    for name in (DATA_FILE, LOCK_FILE, UNSYNCED):
         try:
             os.remove(os.path.join(path, name))
         except FileNotFoundError:
             pass
+
+
+def boot_id() -> str | None:
+    """This boot's id (Linux), or None where there is none: then every commit is synced."""
+    try:
+        with open(BOOT_ID_FILE, "rb") as f:
+            boot = f.read(64).strip().decode("ascii")
+    except (OSError, UnicodeDecodeError):
+        return None
+    return boot or None
+
+
+def mark_unsynced(path: str) -> bool:
+    """Before an unsynced commit, under the write lock: make sure the marker holds this boot's id.
+
+    Returns False when the commit must be synced instead (no boot id, or the marker cannot
+    be written). A marker already there was written in this boot: a foreign one is dealt
+    with when the cache is opened, before any commit.
+    """
+    marker = os.path.join(path, UNSYNCED)
+    if os.path.exists(marker):
+        return True
+    boot = boot_id()
+    if boot is None:
+        return False
+    tmp = os.path.join(path, _UNSYNCED_TMP)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, boot.encode("ascii") + b"\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, marker)
+        _fsync_dir(path)
+    except OSError:
+        return False
+    return True
+
+
+def clear_unsynced(path: str) -> None:
+    """After a sync of the whole data file, under the write lock: nothing unsynced is left."""
+    try:
+        os.remove(os.path.join(path, UNSYNCED))
+    except FileNotFoundError:
+        pass
+
+
+def unsynced_in_another_boot(path: str) -> str | None:
+    """The boot id in the marker when it is not this boot's (commits of a boot that may have crashed), else None.
+
+    The marker is untrusted input: at most 64 bytes are read, and anything that is not this
+    boot's id counts as another boot's.
+    """
+    try:
+        with open(os.path.join(path, UNSYNCED), "rb") as f:
+            found = f.read(64).strip().decode("ascii", "replace")
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"unreadable ({exc.strerror})"
+    return None if found == boot_id() else found or "empty"
+
+
+def sync_data_file(path: str) -> None:
+    """fsync data.mdb: every commit of every process is in its page cache, and goes down with it."""
+    fd = os.open(os.path.join(path, DATA_FILE), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

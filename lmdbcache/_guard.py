@@ -48,7 +48,7 @@ _string_at = ctypes.string_at
 _frombuffer = np.frombuffer
 _LITTLE = sys.byteorder == "little"
 PREFETCH_MIN = 16384  # bytes: a value of a few pages gains little from one I/O over its faults
-_MADV_WILLNEED = 3  # Linux, the BSDs and macOS alike
+_MADV_RANDOM, _MADV_SEQUENTIAL, _MADV_WILLNEED = 1, 2, 3  # Linux, the BSDs and macOS alike
 
 
 def _libc_madvise() -> Any:
@@ -127,6 +127,17 @@ class MapGuard:
         if flags & _F_BIGDATA and size >= PREFETCH_MIN and address + ksize + 8 <= self.start + self.file_size:
             pgno = _PGNO.unpack(_string_at(address + ksize, 8))[0]
             self._advise(pgno * self.page_size + _PAGE_HEADER, size)
+
+    def sequential(self, on: bool) -> None:
+        """Read the map ahead (``MADV_SEQUENTIAL``) while a scan walks it, or back to LMDB's no-readahead advice.
+
+        The environment is opened with ``readahead=False`` (LMDB's ``MADV_RANDOM``: random
+        reads of the cache fetch only the pages they touch); a scan in key order walks the
+        file mostly front to back, and with readahead each fault brings the next pages too.
+        """
+        self.refresh()
+        if _madvise is not None and self.start and self.file_size:
+            _madvise(self.start, self.file_size, _MADV_SEQUENTIAL if on else _MADV_RANDOM)
 
     def _advise(self, offset: int, size: int) -> None:
         """Ask for bytes [offset, offset + size) of the file, through the map (the page holding offset on)."""

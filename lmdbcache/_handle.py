@@ -20,9 +20,10 @@ import filelock
 import lmdb
 import msgpack
 
-from . import _fs, _metadata
+from . import _compress, _fs, _metadata
 from ._commit import CommitQueue
 from ._env import MAX_MAP, open_databases, open_env, reserved_size
+from ._frames import require
 from ._fs import DATA_FILE, WRITE_LOCK
 from ._guard import MapGuard
 from ._lmdb_errors import readers_full, translate
@@ -49,8 +50,11 @@ class Handle:
         map_size: int = 64 * MIB,
         max_readers: int = 1024,
         checksum: str = "once",
+        sync: bool = False,
     ) -> None:
         self.path = path
+        self.sync = sync  # fsync every commit (else once, at close; see _fs on the unsynced marker)
+        self._unsynced = False  # this process committed without a sync since the last one
         self.checksum = checksum  # the default for reads that do not say (tools)
         self.map_size = min(parse_size(map_size), MAX_MAP)
         self.max_readers = int(max_readers)
@@ -84,6 +88,7 @@ class Handle:
         self._last_reader_check = 0.0
         self._guard: MapGuard | None = None
         self._close_when_idle = False  # close() was interrupted while a batch was being written
+        self._compressor: _compress.Compressor | None = None  # the adopted build's, if it compresses
         # The adopted build's chunk size K for packs (_pack; 0: none) and its dataset length.
         self._pack = 0
         self._length = 0
@@ -132,6 +137,7 @@ class Handle:
             meta, raw = found
             if self.build is not None and meta["cache_id"] != self.build:
                 raise CacheMismatchError(_metadata.rebuilt_message(self.path, meta))
+            self._require_codec(meta)
         except BaseException:
             self._close_env()
             raise
@@ -144,7 +150,29 @@ class Handle:
             if self.build is None:
                 self.build = build
 
+    def _require_codec(self, meta: dict[str, Any]) -> None:
+        """Refuse a compressed build when its codec's extra is missing (MissingExtraError), before adopting it."""
+        codec = _metadata.compression(meta)[0]
+        if codec is not None:
+            require(codec, self.path)
+
+    @property
+    def compressor(self) -> _compress.Compressor | None:
+        """What the adopted build compresses values with (picklable: precompute hands it to its workers)."""
+        return self._compressor
+
+    def compress(self, value: bytes) -> bytes:
+        """The form the adopted build stores an encoded value in (its buffers compressed if the build is)."""
+        compressor = self._compressor
+        return value if compressor is None else compressor(value)
+
     def _adopt(self, meta: dict[str, Any], raw: bytes) -> None:
+        codec, level = _metadata.compression(meta)
+        compressor = self._compressor
+        if codec is None:
+            self._compressor = None
+        elif compressor is None or (compressor.codec, compressor.level) != (codec, level):
+            self._compressor = _compress.Compressor(codec, level)
         if meta["cache_id"] != self.build:
             self._verified = None  # flags of another build's values
         if meta["cache_id"] != self.build:  # else keep the same object: datasets compare by identity

@@ -5,9 +5,11 @@ Fields: ``format_version`` (int, checked first: see ``_version``), ``length``,
 string, new at every build or rebuild: processes check it before they commit, so a process
 still filling a rebuilt cache cannot write old samples into it) and ``builder`` (who built
 it, for messages). A cache upgraded in place from an older format also has
-``upgraded_from``. Format 3 added ``pack`` (int, 0 to ``_pack.MAX_PACK``): the chunk size K
-of packed records (see ``_pack``); 0 or absent (older caches): no packs. A cache file is
-untrusted input: every field is validated before use.
+``upgraded_from``. Format 3 adds ``compress`` (``"lz4"`` or ``"zstd"``; absent or nil: values
+are stored as encoded) and ``compress_level`` (int): what every writer of the build compresses
+with (``_compress``); and ``pack`` (int, 0 to ``_pack.MAX_PACK``): the chunk size K of packed
+records (see ``_pack``); 0 or absent: no packs. A cache file is untrusted input: every field is
+validated before use.
 
 Pure functions of bytes and dicts; the store does the reading and writing.
 """
@@ -22,12 +24,15 @@ from typing import Any
 
 import msgpack
 
+from ._compress import CODECS, LEVELS
 from ._lmdb_errors import REBUILD
 from ._pack import MAX_PACK
 from ._version import FORMAT_VERSION, OLDEST_READABLE_FORMAT, __version__
 from .errors import CacheMismatchError, CorruptCacheError, NotACacheError
 
-__all__ = ["KEY", "check", "new", "parse", "rebuilt_message", "upgraded", "validate"]
+__all__ = [
+    "KEY", "check", "check_compression", "compression", "new", "parse", "rebuilt_message", "upgraded", "validate",
+]  # fmt: skip
 
 KEY = b"meta"
 # The fields every record has, and their types (``format_version`` is checked first, apart).
@@ -91,6 +96,13 @@ def validate(meta: Any, path: str) -> dict[str, Any]:
             raise CorruptCacheError(
                 f"Cache '{path}' has damaged metadata: field '{field}' is {value!r:.80}, expected {expected}. {REBUILD}"
             )
+    codec, level = meta.get("compress"), meta.get("compress_level", 0)
+    known = type(codec) is str and codec in CODECS
+    if codec is not None and not (known and type(level) is int and LEVELS[codec][0] <= level <= LEVELS[codec][1]):
+        raise CorruptCacheError(
+            f"Cache '{path}' has damaged metadata: fields 'compress', 'compress_level' are {codec!r:.40}, "
+            f"{level!r:.40}, expected 'lz4' or 'zstd' and a level. {REBUILD}"
+        )
     pack = meta.get("pack", 0)
     if type(pack) is not int or not 0 <= pack <= MAX_PACK:
         raise CorruptCacheError(
@@ -98,6 +110,26 @@ def validate(meta: Any, path: str) -> dict[str, Any]:
             f"{MAX_PACK}. {REBUILD}"
         )
     return meta
+
+
+def compression(meta: dict[str, Any]) -> tuple[str | None, int]:
+    """The (codec, level) the build's values are compressed with; (None, 0) for none."""
+    codec = meta.get("compress")
+    return (codec, meta.get("compress_level", 0)) if codec is not None else (None, 0)
+
+
+def check_compression(meta: dict[str, Any], path: str, codec: str | None, level: int | None) -> None:
+    """Refuse to open a build with a compression setting other than the one asked for (None: any)."""
+    if codec is None:
+        return
+    found, found_level = compression(meta)
+    if found != codec or (level is not None and found_level != level):
+        has = "no compression" if found is None else f"compress={found!r}, compress_level={found_level}"
+        asked = f"compress={codec!r}" + ("" if level is None else f", compress_level={level}")
+        raise CacheMismatchError(
+            f"Cache '{path}' was built with {has}, not {asked}. Open it without compress= to use its setting, or "
+            "pass overwrite=True to rebuild it with the new one."
+        )
 
 
 def check(meta: dict[str, Any], path: str, length: int | None, fingerprint: str | None) -> dict[str, Any]:
@@ -116,9 +148,12 @@ def check(meta: dict[str, Any], path: str, length: int | None, fingerprint: str 
     return meta
 
 
-def new(length: int, fingerprint: str, pack: int = 0) -> tuple[dict[str, Any], bytes]:
-    """The record of a new build (a new ``cache_id``) and its bytes; ``pack``: the chunk size K (0: no packs)."""
-    meta = {
+def new(
+    length: int, fingerprint: str, codec: str | None = None, level: int = 0, pack: int = 0
+) -> tuple[dict[str, Any], bytes]:
+    """The record of a new build (a new ``cache_id``), compressed with ``codec`` at ``level``, packed by
+    chunks of ``pack`` (0: no packs), and its bytes."""
+    meta: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "length": int(length),
         "fingerprint": fingerprint,
@@ -127,6 +162,8 @@ def new(length: int, fingerprint: str, pack: int = 0) -> tuple[dict[str, Any], b
         "cache_id": uuid.uuid4().hex,
         "builder": f"pid {os.getpid()} on {socket.gethostname()}",
     }
+    if codec is not None:
+        meta["compress"], meta["compress_level"] = codec, level
     if pack:
         meta["pack"] = int(pack)
     return meta, msgpack.packb(meta)

@@ -30,6 +30,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from . import _registry
 from ._commit import Policy
+from ._compress import Compressor
+from ._compress import check as check_compression
 from ._options import check_options, parse_size
 from ._progress import progress_bar
 from .codec import encode
@@ -110,6 +112,8 @@ def precompute(
     commit_bytes: int = 256 << 20,
     map_size: int = 64 << 20,
     progress: bool | None = None,
+    compress: str | None = None,
+    compress_level: int | None = None,
     pack: int = 0,
 ) -> PrecomputeResult:
     """Decode every index of ``dataset`` (or of one shard) into the cache at ``path``.
@@ -128,16 +132,23 @@ def precompute(
     Raises ``SourceItemError`` naming the index when the dataset raises (what was written
     is kept). Ctrl-C commits what was decoded, stops the workers and returns with
     ``interrupted=True``; ``seconds`` (and the rate) cover the work, not the shutdown.
+
+    ``compress`` and ``compress_level`` are ``CachedDataset``'s: a new cache is compressed so, an
+    existing one keeps its own setting (another one raises ``CacheMismatchError``). The workers compress.
     """
     start = time.perf_counter()
     _check_arguments(
         num_workers, batch_size, check_determinism, map_size, commit_every, commit_bytes, fingerprint, pack
     )
+    check_compression(compress, compress_level)
     path = os.path.abspath(os.fspath(path))
     local, workers = _local_ranks(local, overwrite, num_workers)
     length = dataset_length(dataset)
     indices = shard_indices(length, shard, local)
-    run = _Run.open(path, dataset, length, fingerprint, overwrite, map_size, commit_every, commit_bytes, pack)
+    run = _Run.open(
+        path, dataset, length, fingerprint, overwrite, map_size, commit_every, commit_bytes, compress, compress_level,
+        pack,
+    )  # fmt: skip
     try:
         todo = _not_cached(run.store, indices, length)
         halted = _fill(run, dataset, todo, workers, batch_size, progress, check_determinism, allow_nondeterministic)
@@ -218,6 +229,8 @@ class _Run:
         map_size: int,
         every: int,
         size: int,
+        compress: str | None = None,
+        compress_level: int | None = None,
         pack: int = 0,
     ) -> _Run:
         """This process's store for ``path``, opened for ``dataset`` (created, or checked against it)."""
@@ -230,6 +243,8 @@ class _Run:
             commit_every=every,
             commit_bytes=size,
             commit_interval=_COMMIT_INTERVAL,
+            compress=compress,
+            compress_level=compress_level,
             pack=pack,
         )
         policy = Policy(every, parse_size(size), _COMMIT_INTERVAL)
@@ -296,7 +311,7 @@ def _check_determinism(dataset: Any, checked: list[int], allow: bool, store: Sto
                 "would be frozen into the cache. Move random augmentation out of the dataset into "
                 "CachedDataset(transform=...), or pass --allow-nondeterministic if the difference is harmless."
             )
-        values.append((index, first))
+        values.append((index, store.compress(first)))
     return store.put_many(values, build)
 
 
@@ -315,7 +330,7 @@ def _write_all(run: _Run, dataset: Any, todo: list[int], workers: int, batch_siz
         return
     stop = multiprocessing.Event() if workers else None
     loader = DataLoader(
-        _Encoded(dataset, todo, stop),
+        _Encoded(dataset, todo, stop, run.store.compressor),
         batch_size=batch_size,
         num_workers=workers,
         collate_fn=_collate,
@@ -360,9 +375,13 @@ class _Encoded(Dataset[_Item]):
     """Decodes and encodes in the workers, so the writer only copies bytes into LMDB."""
 
     def __init__(
-        self, dataset: Any, indices: Sequence[int], stop: multiprocessing.synchronize.Event | None = None
+        self,
+        dataset: Any,
+        indices: Sequence[int],
+        stop: multiprocessing.synchronize.Event | None = None,
+        compressor: Compressor | None = None,
     ) -> None:
-        self.dataset, self.indices, self.stop = dataset, indices, stop
+        self.dataset, self.indices, self.stop, self.compressor = dataset, indices, stop, compressor
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -372,7 +391,8 @@ class _Encoded(Dataset[_Item]):
         if self.stop is not None and self.stop.is_set():
             return index, None, "skipped: the run has stopped"  # never read: the main process has left
         try:
-            return index, encode(self.dataset[index], index), None
+            value = encode(self.dataset[index], index)
+            return index, value if self.compressor is None else self.compressor(value), None
         except Exception as exc:  # reported by the writer with its index; the run stops cleanly
             return index, None, f"{type(exc).__name__}: {exc}"
 

@@ -6,13 +6,13 @@ a cursor lookup, and ``codec.decode`` with its one copy out of the map. The valu
 structure and its binding to the index are checked on every read; its record's bounds
 (``_guard``) and its data checksum the first time this process reads the index
 (``checksum="once"``, one flag byte per index), or the data checksum on every read
-(``"always"``). While reads are seen to be cold (one took over ``_COLD`` seconds), a large
+(``"always"``). While reads are seen to be cold (two in a row took over ``_COLD`` seconds), a large
 value (``_guard.PREFETCH_MIN`` bytes or more; flag byte 2 once verified) is looked up with a
 cursor and announced to the kernel before it is touched, so it is read in one I/O rather than
 a page fault per 4 KiB (issue #14). Warm, the advice would cost a 147 KiB read half its speed
 (a syscall walking 37 cached pages), so after ``_COLD_RUN`` fast reads it stops again.
-A miss is looked up again in a fresh snapshot and in this process's commit queue before it
-is reported ``MISSING``.
+A miss is looked up again in a fresh snapshot (unless the read already began one: a miss
+costs one read transaction) and in this process's commit queue before it is reported ``MISSING``.
 
 Packs (``_pack``): with packing on, a small value is looked up in its chunk's pack first, then
 as a single record; its span is checked against the pack's header (and the record's bounds
@@ -65,6 +65,7 @@ class ReadPath(Handle):
     """Reading samples and scanning keys (see the module docstring). Every public method takes the lock."""
 
     _cold_left = 0  # large reads still to prefetch (reads were seen cold); 0: plain reads, timed
+    _slow = 0  # large reads in a row slower than _COLD
 
     def get(self, index: int, always: bool = False, build: str | None = None) -> Any:
         """The decoded sample at ``index`` of the build ``build``, or ``MISSING``. The hot path: kept flat.
@@ -80,8 +81,9 @@ class ReadPath(Handle):
             if build is not self.build and build is not None and build != self.build:
                 raise self.mismatch(build)
             txn = self._rtxn
+            fresh = False  # whether this call began the snapshot (then a miss needs no second look)
             if txn is None or _monotonic() >= self._rtxn_expires:
-                txn = self._reader()
+                txn, fresh = self._reader(), True
             verified = self._verified
             if verified is not None and index < len(verified) and (mark := verified[index]):
                 try:
@@ -106,7 +108,7 @@ class ReadPath(Handle):
             else:
                 raw = self._fetch(txn, index)
             if raw is None:
-                return self._get_fresh([index], always)[0]
+                return self._queued(index, always) if fresh else self._get_fresh([index], always)[0]
             return self._decode(raw, index, always)
         finally:
             lock.release()
@@ -222,17 +224,28 @@ class ReadPath(Handle):
         return raw
 
     def _saw(self, elapsed: float) -> None:
-        """Count a large read that took ``elapsed`` seconds toward the cold/warm decision."""
+        """Count a large read that took ``elapsed`` seconds toward the cold/warm decision.
+
+        Two slow reads in a row turn the advice on: one alone is as often a wait for the GIL
+        (py-lmdb touches the value's pages with the GIL released, then takes it back) as a
+        read from the disk; on warm data under the loader's copy threads single slow reads
+        turned it on 380-900 times an epoch (bench/profile_loader.py).
+        """
         if elapsed > _COLD:
-            self._cold_left = _COLD_RUN
-        elif self._cold_left > 0:
-            self._cold_left -= 1
+            self._slow += 1
+            if self._slow >= 2:
+                self._cold_left = _COLD_RUN
+        else:
+            self._slow = 0
+            if self._cold_left > 0:
+                self._cold_left -= 1
 
     def get_many(self, indices: list[int], always: bool = False, build: str | None = None) -> list[Any]:
         """Decode a batch of the build ``build`` in one read transaction; misses come back as ``MISSING``."""
         with self._lock:
             if build is not None and build != self.build:
                 raise self.mismatch(build)
+            fresh = self._rtxn is None or _monotonic() >= self._rtxn_expires
             txn = self._reader()
             value, decode, verified = self._value, self._decode, self._verified
             out = []
@@ -241,7 +254,9 @@ class ReadPath(Handle):
                 out.append(MISSING if raw is None else decode(raw, index, always))
             misses = [k for k, sample in enumerate(out) if sample is MISSING]
             if misses:
-                for k, sample in zip(misses, self._get_fresh([indices[k] for k in misses], always)):
+                missed = [indices[k] for k in misses]
+                found = [self._queued(i, always) for i in missed] if fresh else self._get_fresh(missed, always)
+                for k, sample in zip(misses, found):
                     out[k] = sample
         return out
 
@@ -299,6 +314,17 @@ class ReadPath(Handle):
             return self._small(txn, index) if verified_before == 1 else self._large(txn, index)
         except lmdb.Error as exc:
             raise self._read_failure(exc, index) from exc
+
+    def _queued(self, index: int, always: bool) -> Any:
+        """A miss in a snapshot begun under this same hold of the lock: only this process's queue can hold it.
+
+        The snapshot already shows every commit up to now (this process's own included: a
+        batch leaves the queue only once committed, under this lock), so looking again in a
+        new one would find nothing more: one read transaction per miss instead of two.
+        """
+        self._drop_reader()  # as after any miss: while filling, a kept snapshot only pins pages
+        raw = self._queue.lookup(index)
+        return MISSING if raw is None else self._decode(raw, index, always)
 
     def _get_fresh(self, indices: list[int], always: bool) -> list[Any]:
         """Look misses up again in a new snapshot, then in this process's queue. Holds self._lock."""

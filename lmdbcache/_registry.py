@@ -56,7 +56,11 @@ def acquire(path: str, **options: Any) -> Store:
         store.refs += 1
     if not created:
         try:
-            store.reconcile(options.get("map_size", store.map_size), options.get("max_readers", store.max_readers))
+            store.reconcile(
+                options.get("map_size", store.map_size),
+                options.get("max_readers", store.max_readers),
+                options.get("sync", False),
+            )
         except BaseException:
             release(store)
             raise
@@ -70,6 +74,8 @@ def open_store(
     fingerprint: str | None = None,
     overwrite: bool = False,
     create: bool = True,
+    compress: str | None = None,
+    compress_level: int | None = None,
     pack: int = 0,
     **options: Any,
 ) -> tuple[Store, dict[str, Any]]:
@@ -80,7 +86,15 @@ def open_store(
     """
     store = acquire(path, **options)
     try:
-        meta = store.initialize(length=length, fingerprint=fingerprint, overwrite=overwrite, create=create, pack=pack)
+        meta = store.initialize(
+            length=length,
+            fingerprint=fingerprint,
+            overwrite=overwrite,
+            create=create,
+            compress=compress,
+            compress_level=compress_level,
+            pack=pack,
+        )
     except BaseException:
         release(store)
         raise

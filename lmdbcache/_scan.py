@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _scan(path: str, repair: bool, report: _Report) -> tuple[int, int]:
     """Check every entry of the cache at ``path`` (and delete the damaged ones with ``repair``): (checked, deleted)."""
-    with _registry.opened(path) as store:
+    with _registry.opened(path) as store, store.reading_ahead():
         length = store.meta()["length"]
         try:
             entries, miscount = store.count(), None

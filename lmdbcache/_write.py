@@ -5,7 +5,9 @@ transaction per batch, under the inter-process file lock ``lmdbcache.lock``. A k
 written twice (``overwrite=False``): when two processes decode one index, the first commit
 wins. Every write transaction first checks the cache still holds the build this process
 adopted, so samples of a replaced build never reach a new one. A commit that does not fit
-grows the map and re-puts every record of the batch, never just the last one.
+grows the map and re-puts every record of the batch, never just the last one. Commits are
+not fsynced unless the store's ``sync`` asks (``_fs`` says why and what keeps that safe);
+``sync_file`` syncs them all at once.
 
 Packs (``_pack``). In a cache created with ``pack=K``, the commit that completes a chunk (every
 index of it committed or in the batch, each value small) writes the chunk's pack and deletes
@@ -98,6 +100,8 @@ class WritePath(Handle):
                 env = self._env or self._env_or_open()
                 self._maybe_reader_check(env)
                 self._reserve(env, need)
+            # The marker goes down (fsynced) before any byte of an unsynced commit: see _fs.
+            durable = self.sync or not _fs.mark_unsynced(self.path)
             for _ in range(64):
                 try:
                     written = 0
@@ -109,6 +113,10 @@ class WritePath(Handle):
                             put, db = txn.put, self._samples
                             for key, value in items:
                                 written += put(key, value, db=db, overwrite=False)
+                    if durable:
+                        env.sync(True)
+                    else:
+                        self._unsynced = True
                     return written
                 except lmdb.MapFullError:
                     with self._lock:
@@ -169,6 +177,26 @@ class WritePath(Handle):
                     written += put(_KEY(index), value, db=db, overwrite=False)
         return written
 
+    def sync_file(self) -> None:
+        """fsync everything committed so far (by any process) and clear the unsynced marker (at close).
+
+        An fsync of data.mdb itself, not of the environment: it may be closed (before a fork)
+        and every commit's pages are in the file's page cache whoever wrote them. Called
+        without the lock (it takes the write lock, which comes first).
+        """
+        if not self._unsynced:
+            return
+        with self._write_lock():
+            try:
+                _fs.sync_data_file(self.path)
+            except OSError as exc:
+                raise LmdbCacheError(
+                    f"Cache '{self.path}': syncing its last commits to disk failed ({exc.strerror}). They are "
+                    "readable; a crash of the machine before the kernel writes them would make the next run rebuild."
+                ) from exc
+            _fs.clear_unsynced(self.path)
+        self._unsynced = False
+
     def _check_cache_id(self, txn: lmdb.Transaction) -> None:
         """Inside a write transaction: refuse to write into a build this process did not adopt."""
         if not self._same_build(txn)[0]:
@@ -178,7 +206,7 @@ class WritePath(Handle):
             )
 
     def delete(self, keys: Iterable[int]) -> int:
-        """Delete the given indices (used by ``verify --repair``); returns how many existed.
+        """Delete the given indices (used by ``verify --repair``); returns how many existed. Synced: it is rare.
 
         An index held in a pack unpacks the rest of its chunk into single records, in the same
         transaction; a pack whose header is broken is dropped whole (``verify`` reports all its indices).
@@ -186,23 +214,25 @@ class WritePath(Handle):
         with self._lock:
             env = self._env or self._env_or_open()
             try:
-                with self._write_lock(), env.begin(write=True) as txn:
-                    self._check_cache_id(txn)
-                    db, pack, deleted = self._samples, self._pack, 0
-                    wanted = set(keys)
-                    for k in sorted(wanted):
-                        if txn.delete(_KEY(k), db=db):
-                            deleted += 1
-                        elif pack and (whole := txn.get(_PKEY(first := k - k % pack, _TAG), db=db)) is not None:
-                            n = min(pack, self._length - first)
-                            whole = bytes(whole)
-                            broken = _pack.problem(whole, n) is not None
-                            txn.delete(_PKEY(first, _TAG), db=db)
-                            for index in range(first, first + n):
-                                if index in wanted or broken:
-                                    deleted += index in wanted
-                                    continue
-                                txn.put(_KEY(index), _pack.value(whole, index - first, n), db=db)
+                with self._write_lock():
+                    with env.begin(write=True) as txn:
+                        self._check_cache_id(txn)
+                        db, pack, deleted = self._samples, self._pack, 0
+                        wanted = set(keys)
+                        for k in sorted(wanted):
+                            if txn.delete(_KEY(k), db=db):
+                                deleted += 1
+                            elif pack and (whole := txn.get(_PKEY(first := k - k % pack, _TAG), db=db)) is not None:
+                                n = min(pack, self._length - first)
+                                whole = bytes(whole)
+                                broken = _pack.problem(whole, n) is not None
+                                txn.delete(_PKEY(first, _TAG), db=db)
+                                for index in range(first, first + n):
+                                    if index in wanted or broken:
+                                        deleted += index in wanted
+                                        continue
+                                    txn.put(_KEY(index), _pack.value(whole, index - first, n), db=db)
+                    env.sync(True)
                     return deleted
             except lmdb.Error as exc:
                 raise write_failure(exc, self.path, "nothing was deleted") from exc

@@ -74,6 +74,19 @@ def _parse_shard(text: str) -> tuple[int, int]:
     return shard
 
 
+def _parse_compress(text: str) -> tuple[str, int | None]:
+    """``--compress``: ``lz4`` or ``zstd``, with an optional ``:LEVEL``."""
+    from ._compress import check
+
+    codec, sep, digits = text.partition(":")
+    try:
+        level = int(digits) if sep else None
+        check(codec, level)
+    except (ValueError, LmdbCacheError) as exc:
+        raise argparse.ArgumentTypeError(f"'{text}' is not lz4 or zstd with an optional :LEVEL ({exc})") from None
+    return codec, level
+
+
 def _int_at_least(minimum: int, note: str = "") -> Callable[[str], int]:
     """An argparse type: an integer >= ``minimum``, else a one-line error naming the valid range."""
 
@@ -167,6 +180,13 @@ def _precompute_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--allow-nondeterministic", action="store_true", help="cache a dataset whose samples vary anyway")
     p.add_argument(
+        "--compress",
+        type=_parse_compress,
+        default=(None, None),
+        metavar="CODEC[:LEVEL]",
+        help="compress a new cache's buffers: lz4 or zstd, e.g. zstd:3 (needs pip install 'lmdbcache[zstd]')",
+    )
+    p.add_argument(
         "--batch-size", type=_int_at_least(1), default=16, metavar="N", help="samples per worker task (default 16)"
     )
     p.add_argument(
@@ -209,6 +229,8 @@ def _precompute(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         commit_every=args.commit_every,
         progress=False if args.quiet else None,
+        compress=args.compress[0],
+        compress_level=args.compress[1],
         pack=args.pack,
     )
     print(result.summary())
@@ -256,6 +278,7 @@ def _info(args: argparse.Namespace) -> int:
     print(f"fingerprint  {data.fingerprint}")
     print(f"format       {data.format_version} (written by lmdbcache {data.library_version})")
     print(f"size         {data.size_bytes / 2**20:,.1f} MB on disk, map {data.map_size / 2**20:,.0f} MB")
+    print(f"compress     {data.compress or 'none'}")
     print(f"created      {data.created}")
     return 0
 

@@ -1,15 +1,15 @@
 """Turn one sample into bytes and back, exactly, with one copy out of the memory map.
 
-The value format, version 2
-===========================
+The value format, version 2 (and 3)
+===================================
 
 One LMDB value holds one sample and is bound to the index it is stored under. All
 integers are little-endian::
 
     offset  size  field
     0       3     magic b"LMC"
-    3       1     value version: 2 (format 3 caches keep it: packs, ``_pack``, left values alone); 1
-                  is still read, see "Format 1"
+    3       1     version: 2; 3 for a value whose buffers are framed (see "Compressed values"
+                  below); 1 is still read, see "Format 1"
     4       4     S, the length of the structure (u32, at least 1)
     8       8     structure checksum: xxh3_64 of the structure, seed = the index
     16      8     data checksum: xxh3_64 chained over the buffers in order, each hashed
@@ -117,6 +117,31 @@ its mode, size, pixels and palette (not its ``info`` or file); every other type 
 as exactly the type that went in. Decoded tensors and arrays are writable and own their
 memory: each buffer is copied once out of the value (``bytearray``) and nothing else is
 copied.
+
+Compressed values
+-----------------
+Format 3 (``FORMAT_VERSION``) writes uncompressed values exactly as format 2 did (version
+byte 2). A cache created with ``compress="lz4"`` or ``"zstd"`` (the metadata's ``compress``
+field, see ``_metadata``) stores a value in the framed form when compressing pays: the same
+header with version byte 3, the same structure and the same checksums (the data checksum is
+over the buffers' raw bytes, so a damaged frame fails it once decompressed), and then, in
+place of the buffers, one frame per buffer in the same order::
+
+    <B kind><I stored length> stored bytes
+    kind 0: the buffer's raw bytes (stored length = the record's nbytes)
+    kind 1: an LZ4 block (no size prefix) of the buffer
+    kind 2: one zstd frame of the buffer, with its content size in the frame header
+
+The value ends exactly where the last frame ends. The writer (``_compress``) compresses a
+buffer of at least 4096 bytes and keeps the result only under 0.95 of its size and within
+the kind's largest ratio (255 for LZ4, 2**15 for zstd); a value none of whose buffers is
+compressed is stored in the version-2 form, which keeps the flat fast path. The reader
+takes each buffer's size from its record (checked against its shape and dtype as above),
+refuses a frame that would expand beyond the kind's ratio before allocating, decompresses
+into a buffer of exactly that size (a zstd frame must declare that content size) and
+checks the length it got. Any mismatch, an unknown kind or a stream the codec rejects is
+``CorruptSampleError``; a value of kind 1 or 2 read without ``lz4`` or ``zstandard``
+installed raises ``MissingExtraError`` naming the extra (``pip install 'lmdbcache[zstd]'``).
 
 Format 1
 --------

@@ -16,6 +16,7 @@ from . import _registry
 from ._collate import gather_shared as _batched
 from ._collate import wants_batch
 from ._commit import Policy
+from ._compress import check as check_compression
 from ._diff import first_difference
 from ._options import check_options, parse_size
 from .codec import decode, encode
@@ -98,6 +99,16 @@ class CachedDataset(Dataset[Any]):
             random cached indices and compare them with the cache; a difference (changed
             preprocessing, another subset) raises ``CacheMismatchError``. 0 turns it off.
             Done once, here, never in DataLoader workers.
+        compress: ``"lz4"`` or ``"zstd"`` compresses the tensor, array and image buffers of a
+            new cache (each of at least 4 KiB, kept compressed only when that saves 5%); the
+            setting is stored in the cache, so None (default) opens an existing cache with
+            its own and creates an uncompressed one. Needs ``pip install 'lmdbcache[zstd]'``
+            (or ``[lz4]``); see the README for what it costs.
+        compress_level: the codec's level (lz4: 0, fast, to 12; zstd: -7 to 22, default 3).
+        sync: fsync every commit. Default False: commits reach the disk when the kernel
+            writes them back and at ``close()``; a killed process loses nothing committed,
+            and a cache left unsynced by a machine crash is rebuilt when next opened (see
+            the README's Durability).
         pack: store the values of each run of ``pack`` consecutive small samples (under 16 KiB
             each) as one LMDB record once all of them are cached, so samples of a few KiB do
             not each take whole 4 KiB pages (see the README's "Packs"). Fixed by the process
@@ -115,10 +126,13 @@ class CachedDataset(Dataset[Any]):
         max_readers: int = 1024,
         overwrite: bool = False,
         commit_every: int = 256,
-        commit_bytes: int = 64 << 20,
+        commit_bytes: int = 8 << 20,
         commit_interval: float = 1.0,
         checksum: str = "once",
         spot_check: int = 2,
+        compress: str | None = None,
+        compress_level: int | None = None,
+        sync: bool = False,
         pack: int = 0,
     ) -> None:
         check_options(
@@ -131,12 +145,16 @@ class CachedDataset(Dataset[Any]):
             fingerprint=fingerprint,
             pack=pack,
         )
+        check_compression(compress, compress_level)
+        if type(sync) is not bool:
+            raise InvalidOptionError(f"sync must be True or False, not {sync!r}.")
         if type(spot_check) is not int or spot_check < 0:
             raise InvalidOptionError(f"spot_check must be an integer >= 0 (0 turns it off), not {spot_check!r}.")
         self.dataset = dataset
         self.path = os.path.abspath(os.fspath(path))
         self.transform = transform
-        self._options = dict(map_size=map_size, max_readers=max_readers)
+        self._options: dict[str, Any] = dict(map_size=map_size, max_readers=max_readers, sync=sync)
+        self._compression = (compress, compress_level)
         self._policy = Policy(commit_every, parse_size(commit_bytes, "commit_bytes"), commit_interval)
         self._always = checksum == "always"
         self._open(fingerprint, overwrite, spot_check, pack)
@@ -149,7 +167,7 @@ class CachedDataset(Dataset[Any]):
             fingerprint = default_fingerprint(dataset)
         store, meta = _registry.open_store(
             self.path, length=length, fingerprint=fingerprint, overwrite=overwrite, create=dataset is not None,
-            pack=pack, **self._options,
+            compress=self._compression[0], compress_level=self._compression[1], pack=pack, **self._options,
         )  # fmt: skip
         try:
             self._store: Store | None = store
@@ -269,7 +287,7 @@ class CachedDataset(Dataset[Any]):
         out = []
         for i, raw in zip(indices, raws):
             value = encode(raw, i)
-            store.add(i, value, self._build, self._policy)
+            store.add(i, store.compress(value), self._build, self._policy)
             # Decoded from the bytes just stored: exactly what a later hit returns (same types,
             # contiguous, writable). No data checksum: these bytes never left this process.
             out.append(decode(value, i, verify_data=False))
@@ -302,7 +320,7 @@ class CachedDataset(Dataset[Any]):
             if stored is None:
                 continue
             fresh = encode(self._read_source([index])[0], index)
-            if fresh == stored:
+            if store.compress(fresh) == stored:
                 continue
             # Bytes can differ while samples are equal (a value written by an older format).
             try:
@@ -324,7 +342,8 @@ class CachedDataset(Dataset[Any]):
 
         See ``lmdbcache.Loader`` for the options (shuffle, seed, drop_last, sampler,
         batch_sampler, num_threads, prefetch, rank, world_size, batch_transform, pin_memory,
-        record_event, seed_transforms), the order, and resuming with ``state_dict``.
+        record_event, seed_transforms, num_workers, multiprocessing_context), the order, and
+        resuming with ``state_dict``.
         """
         from .loader import Loader  # lazy: keeps `import lmdbcache` light
 

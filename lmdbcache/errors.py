@@ -18,7 +18,8 @@ Each one also subclasses the builtin a caller would already catch::
     ├── InvalidOptionError(ValueError)          an argument or option out of its valid range
     ├── SpecError(ValueError)                   a precompute SPEC that does not give a dataset
     ├── NondeterministicDatasetError(ValueError) the source returned two different samples for one index
-    └── SourceItemError(RuntimeError)           the source raised while precompute read an index
+    ├── SourceItemError(RuntimeError)           the source raised while precompute read an index
+    └── MissingExtraError(ImportError)          a compressed cache, and the extra that reads it is not installed
 
 ``LmdbCacheWarning(UserWarning)`` is for situations that work but deserve attention
 (a cache on a network filesystem, an option that cannot be honoured).
@@ -37,6 +38,7 @@ __all__ = [
     "InvalidOptionError",
     "LmdbCacheError",
     "LmdbCacheWarning",
+    "MissingExtraError",
     "NondeterministicDatasetError",
     "NotACacheError",
     "ReadOnlyCacheError",
@@ -102,6 +104,10 @@ class NondeterministicDatasetError(LmdbCacheError, ValueError):
 
 class SourceItemError(LmdbCacheError, RuntimeError):
     """The wrapped dataset raised while precompute was reading one index (what was written is kept)."""
+
+
+class MissingExtraError(LmdbCacheError, ImportError):
+    """A cache is compressed with a codec whose optional module (``pip install 'lmdbcache[zstd]'``) is missing."""
 
 
 class LmdbCacheWarning(UserWarning):

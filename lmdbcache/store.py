@@ -17,11 +17,13 @@ Writes. Misses are queued and committed by a background thread (``_commit``), on
 write transaction per batch, under the inter-process file lock ``lmdbcache.lock``. A key
 is never written twice (``overwrite=False``).
 
-Durability. ``sync=True, metasync=False``: every commit fdatasyncs the data pages and
-leaves the meta page to the next commit or the OS. A process killed at any instant
-leaves every committed transaction intact (LMDB is copy-on-write); a power loss keeps
-the database consistent but may undo the last commit. Queued, uncommitted samples are
-simply decoded again later.
+Durability. By default commits are not fsynced (``sync=False, metasync=False``): a process
+killed at any instant leaves every committed transaction intact (LMDB is copy-on-write and
+its writes are in the kernel's page cache), and ``close`` syncs the file once. A machine
+crash before that may tear the file, so an unsynced commit first leaves a marker with the
+boot id, and a cache opened in another boot with the marker present is rebuilt (``_fs``).
+``sync=True`` fsyncs every commit instead: a power loss then keeps the database consistent
+and may undo the last commit. Queued, uncommitted samples are simply decoded again later.
 
 Map size: see ``_env``. The modules behind ``Store``, and what each may import (one way)::
 
@@ -39,11 +41,13 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lmdb
 
-from . import _fs, _metadata
+from . import _compress, _fs, _metadata
 from ._commit import CommitQueue, Policy
 from ._env import MAX_MAP
 from ._fs import DATA_FILE, LOCK_FILE, WRITE_LOCK
@@ -71,11 +75,12 @@ class Store(ReadPath, WritePath):
         map_size: int = 64 * MIB,
         max_readers: int = 1024,
         commit_every: int = 256,
-        commit_bytes: int = 64 * MIB,
+        commit_bytes: int = 8 * MIB,
         commit_interval: float = 1.0,
         checksum: str = "once",
+        sync: bool = False,
     ) -> None:
-        super().__init__(path, map_size=map_size, max_readers=max_readers, checksum=checksum)
+        super().__init__(path, map_size=map_size, max_readers=max_readers, checksum=checksum, sync=sync)
         self._queue = CommitQueue(
             self._lock,
             self._write_batch,
@@ -84,13 +89,15 @@ class Store(ReadPath, WritePath):
         )
         self._close_when_idle = False  # close() was interrupted while a batch was being written
 
-    def reconcile(self, map_size: int, max_readers: int) -> None:
+    def reconcile(self, map_size: int, max_readers: int, sync: bool = False) -> None:
         """Another object asks for this open store with its own per-environment options.
 
         A larger map is honoured (applied before the next commit, or when the environment
-        opens); a different reader table cannot be (LMDB fixes it when the first process opens
-        the environment), which is a warning.
+        opens), and so is ``sync=True`` (from then on every commit on the path is synced); a
+        different reader table cannot be (LMDB fixes it when the first process opens the
+        environment), which is a warning.
         """
+        self.sync = self.sync or sync
         if max_readers != self.max_readers:
             warnings.warn(
                 f"Cache '{self.path}' is already open in this process with max_readers={self.max_readers}; "
@@ -118,16 +125,19 @@ class Store(ReadPath, WritePath):
         fingerprint: str | None,
         overwrite: bool = False,
         create: bool = True,
+        compress: str | None = None,
+        compress_level: int | None = None,
         pack: int = 0,
     ) -> dict[str, Any]:
         """Open the cache, creating it or checking it against the dataset; return its metadata.
 
         ``length``/``fingerprint`` of None skip that check (a cache opened without its
-        source). With ``overwrite`` an existing cache is emptied (in place, so other
-        processes keep valid handles) or, if it is not a readable lmdbcache cache, its
-        LMDB files are replaced. Files that are not ours are never touched. On error
-        nothing stays open. ``pack``: the chunk size K of packs (``_pack``) in a cache created
-        here (an existing cache keeps its own).
+        source). ``compress`` (checked by ``_compress.check``) is what a new build compresses
+        with; an existing build with another setting is refused, and None takes its own.
+        With ``overwrite`` an existing cache is emptied (in place, so other processes keep
+        valid handles) or, if it is not a readable lmdbcache cache, its LMDB files are replaced.
+        Files that are not ours are never touched. On error nothing stays open. ``pack``: the
+        chunk size K of packs (``_pack``) in a cache created here (an existing cache keeps its own).
         """
         with self._lock:
             if overwrite:
@@ -142,7 +152,9 @@ class Store(ReadPath, WritePath):
             self._close_env()  # another dataset in this process may have it open: start clean
             previous = self.build
             try:
-                meta, raw = self._initialize(length, fingerprint, overwrite, create, pack)
+                meta, raw = self._initialize(length, fingerprint, overwrite, create, (compress, compress_level), pack)
+                _metadata.check_compression(meta, self.path, compress, compress_level)
+                self._require_codec(meta)
             except BaseException:
                 self._close_env()
                 raise
@@ -152,13 +164,19 @@ class Store(ReadPath, WritePath):
             return meta
 
     def _initialize(
-        self, length: int | None, fingerprint: str | None, overwrite: bool, create: bool, pack: int
+        self,
+        length: int | None,
+        fingerprint: str | None,
+        overwrite: bool,
+        create: bool,
+        compress: tuple[str | None, int | None],
+        pack: int = 0,
     ) -> tuple[dict[str, Any], bytes]:
         self._make_dir(create)
         _fs.warn_if_network_fs(self.path)
         if not _fs.writable(self.path):
             return self._open_readonly(length, fingerprint, overwrite)
-        return self._open_writable(length, fingerprint, overwrite, pack)
+        return self._open_writable(length, fingerprint, overwrite, compress, pack)
 
     def _make_dir(self, create: bool) -> None:
         """Refuse a file as the path, or a missing cache when not creating one; create the directory."""
@@ -192,6 +210,9 @@ class Store(ReadPath, WritePath):
                 f"Cannot create a cache in '{path}': the directory is read-only. Choose a writable location."
             )
         _fs.check_data_file(self.path, overwrite=False)
+        boot = _fs.unsynced_in_another_boot(path)
+        if boot is not None:
+            raise CorruptCacheError(self._torn_message(boot) + " It cannot be rebuilt in a read-only location.")
         env = self._open_env(readonly=True)
         found = self._read_meta(env)
         if found is None:
@@ -201,7 +222,12 @@ class Store(ReadPath, WritePath):
         return _metadata.check(found[0], self.path, length, fingerprint), found[1]
 
     def _open_writable(
-        self, length: int | None, fingerprint: str | None, overwrite: bool, pack: int
+        self,
+        length: int | None,
+        fingerprint: str | None,
+        overwrite: bool,
+        compress: tuple[str | None, int | None],
+        pack: int = 0,
     ) -> tuple[dict[str, Any], bytes]:
         """Create, check, upgrade or (``overwrite``) rebuild the cache, under the write lock."""
         path = self.path
@@ -210,6 +236,16 @@ class Store(ReadPath, WritePath):
         with self._write_lock():
             _fs.check_dir(self.path, overwrite)
             if not _fs.check_data_file(self.path, overwrite):
+                _fs.remove_lmdb_files(path)
+            boot = _fs.unsynced_in_another_boot(path)
+            if boot is not None:
+                if length is None:
+                    raise CorruptCacheError(self._torn_message(boot) + " Open it with its dataset to rebuild it.")
+                warnings.warn(
+                    self._torn_message(boot) + " It is being rebuilt: its samples are decoded again.",
+                    LmdbCacheWarning,
+                    stacklevel=5,
+                )
                 _fs.remove_lmdb_files(path)
             try:
                 env = self._open_env(readonly=False)
@@ -227,21 +263,28 @@ class Store(ReadPath, WritePath):
                         f"There is no lmdbcache cache at '{path}' to open without a dataset. Build it first "
                         "(`lmdbcache precompute`, or CachedDataset with the source dataset)."
                     )
-                return self._write_meta(env, length, fingerprint or "", pack)
+                return self._write_meta(env, length, fingerprint or "", *_compress.check(*compress), pack)
             meta = _metadata.check(found[0], self.path, length, fingerprint)
             if length is not None and meta["format_version"] < FORMAT_VERSION:
                 return self._upgrade_meta(env, meta)  # this process may add values: they are this format's
             return found
 
+    def _torn_message(self, boot: str) -> str:
+        return (
+            f"Cache '{self.path}' was being filled without a disk sync when the machine went down (boot "
+            f"{boot[:36]!r} left its unsynced-commits marker, {_fs.UNSYNCED}), so it may be torn and is not read."
+        )
+
     def _write_meta(
-        self, env: lmdb.Environment, length: int, fingerprint: str, pack: int
+        self, env: lmdb.Environment, length: int, fingerprint: str, codec: str | None, level: int, pack: int = 0
     ) -> tuple[dict[str, Any], bytes]:
         """Start a new build: empty the samples and write new metadata, in one transaction."""
-        meta, raw = _metadata.new(length, fingerprint, pack)
+        meta, raw = _metadata.new(length, fingerprint, codec, level, pack)
         try:
             with env.begin(write=True) as txn:
                 txn.drop(self._samples, delete=False)
                 txn.put(_metadata.KEY, raw, db=self._meta_db)
+            env.sync(True)  # rare, and what every later commit builds on: never left to the writeback
         except lmdb.Error as exc:
             raise write_failure(exc, self.path, "the cache was not created or rebuilt") from exc
         return meta, raw
@@ -252,6 +295,7 @@ class Store(ReadPath, WritePath):
         try:
             with env.begin(write=True) as txn:
                 txn.put(_metadata.KEY, raw, db=self._meta_db)
+            env.sync(True)
         except lmdb.Error as exc:
             raise write_failure(exc, self.path, "the metadata was not updated; nothing was lost") from exc
         return meta, raw
@@ -295,20 +339,40 @@ class Store(ReadPath, WritePath):
 
     def copy_to(self, path: str) -> None:
         """LMDB's compacting copy of one consistent snapshot into the empty directory ``path``."""
-        with self._lock:
+        with self.reading_ahead(), self._lock:
             try:
                 (self._env or self._env_or_open()).copy(path, compact=True)
             except lmdb.Error as exc:
                 raise write_failure(exc, path, "the copy was abandoned") from exc
 
+    @contextmanager
+    def reading_ahead(self) -> Iterator[None]:
+        """Kernel readahead on this process's map for a scan in key order (``_guard.MapGuard.sequential``)."""
+        with self._lock:
+            self._env or self._env_or_open()
+            guard = self._guard
+        if guard is None:
+            yield
+            return
+        guard.sequential(True)
+        try:
+            yield
+        finally:
+            guard.sequential(False)
+
     # ------------------------------------------------------------------ closing
 
     def close(self) -> None:
-        """Commit the queue, end the committer thread and close the environment (it reopens on next use)."""
-        with self._lock:
-            try:
+        """Commit the queue, sync what this process committed, end the committer thread and close the environment.
+
+        The environment reopens on next use.
+        """
+        try:
+            with self._lock:
                 self._queue.stop()
-            finally:
+            self.sync_file()  # takes the write lock, which comes before self._lock
+        finally:
+            with self._lock:
                 # A second Ctrl-C can end stop() while the thread is still writing: its transaction
                 # must not lose its environment under it. The thread closes it when done (_idle).
                 if self._queue.busy:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from . import _registry
+from . import _fs, _metadata, _registry
 from ._scan import decode_problem
 from ._verify import Progress, VerifyResult, verify
 from .errors import CacheMismatchError, CorruptCacheError, CorruptSampleError, LmdbCacheError, NotACacheError
@@ -50,6 +50,7 @@ class CacheInfo:
     created: str | None
     size_bytes: int
     map_size: int
+    compress: str | None = None  # "zstd:3", "lz4:0" or None: what the build compresses buffers with
 
     # Deprecated: ``info`` returned a dict before it returned this, and ``info(path)["cached"]``
     # (or ``.get``) keeps working for code written then. Use the attributes.
@@ -81,7 +82,13 @@ def info(path: str | os.PathLike[str]) -> CacheInfo:
         created=meta.get("created"),
         size_bytes=os.path.getsize(os.path.join(store.path, DATA_FILE)),
         map_size=env_info["map_size"],
+        compress=_compression_label(meta),
     )
+
+
+def _compression_label(meta: dict[str, Any]) -> str | None:
+    codec, level = _metadata.compression(meta)
+    return None if codec is None else f"{codec}:{level}"
 
 
 # ---------------------------------------------------------------------- warm
@@ -237,6 +244,7 @@ def _copy_into(source: Store, path: str) -> bool:
     tmp = tempfile.mkdtemp(prefix=_COPY_PREFIX, dir=path)  # same filesystem as path: the rename is atomic
     try:
         source.copy_to(tmp)
+        _fs.sync_data_file(tmp)  # the copy is whole on the disk before it replaces anything
         others = _swap(path, tmp, seen)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # created by this call
@@ -271,6 +279,8 @@ def _swap(path: str, tmp: str, seen: tuple[int, int] | None) -> bool:
                 os.remove(lock_file)
             except FileNotFoundError:
                 pass
+            # An unsynced-commits marker described the old file; the new one was synced above.
+            _fs.clear_unsynced(path)
     except filelock.Timeout:
         raise LmdbCacheError(
             f"Cannot replace the cache at '{path}': a process kept its write lock ({WRITE_LOCK}) for "
@@ -330,8 +340,9 @@ def merge(
 ) -> MergeResult:
     """Merge shard caches of one dataset into ``out`` (created if missing).
 
-    Every shard must have the same fingerprint and length as the others (and as ``out`` if
-    it exists); a shard listed twice, or ``out`` listed as a shard, is refused. Every value
+    Every shard must have the same fingerprint, length and compression setting as the others
+    (and as ``out`` if it exists; a new ``out`` takes the shards' setting); a shard listed
+    twice, or ``out`` listed as a shard, is refused. Every value
     is verified (checksums bound to its index; nothing in it is executed) and copied byte
     for byte; indices already in ``out`` are skipped.
     """
@@ -340,13 +351,22 @@ def merge(
     shard_paths = _distinct_shards(out_path, [os.path.abspath(os.fspath(s)) for s in shards])
     first = _common_dataset(shard_paths)
     length, written, skipped = first["length"], 0, 0
+    codec, level = _metadata.compression(first)
     target, meta = _registry.open_store(
         out_path,
         length=length,
         fingerprint=first["fingerprint"],
         map_size=max(64 << 20, _total_size(shard_paths)),
+        compress=codec,
+        compress_level=level if codec else None,
         pack=first.get("pack", 0),  # a new merged cache packs as its first shard does
     )
+    if codec is None and _metadata.compression(meta)[0] is not None:
+        _registry.release(target)
+        raise CacheMismatchError(
+            f"Cache '{out_path}' is compressed ({_compression_label(meta)}) and the shards are not; merge them into "
+            "a cache with their setting (another path, or rebuild it)."
+        )
     try:
         for path in shard_paths:
             added, present = _merge_shard(path, target, meta["cache_id"], length, batch, progress)
@@ -390,13 +410,19 @@ def _common_dataset(shard_paths: list[str]) -> dict[str, Any]:
                 f"{meta['length']}) than '{first_path}' ('{first['fingerprint']}', {first['length']}). "
                 "Merge only shards built from one dataset."
             )
+        if _metadata.compression(meta) != _metadata.compression(first):
+            raise CacheMismatchError(
+                f"Shard '{path}' is compressed with {_compression_label(meta) or 'nothing'} and '{first_path}' with "
+                f"{_compression_label(first) or 'nothing'}. Merge only shards built with one compress= setting "
+                "(rebuild one of them with the other's)."
+            )
     return first
 
 
 def _merge_shard(path: str, target: Store, build: str, length: int, batch: int, progress: Progress) -> tuple[int, int]:
     """Copy every value of the shard at ``path`` into ``target``, ``batch`` at a time; (written, already there)."""
     written = skipped = 0
-    with _registry.opened(path) as source:
+    with _registry.opened(path) as source, source.reading_ahead():
         values = source.iter_raw(chunk=batch)
         while pending := list(itertools.islice(values, batch)):
             for index, value in pending:

@@ -41,6 +41,29 @@ class Synthetic(Dataset):
         return sample_for(i)
 
 
+def compressible_for(i: int) -> tuple[torch.Tensor, int]:
+    """A deterministic sample whose 8 KiB of pixels compress well (ramps, as in a smooth image), and its index."""
+    ramp = (torch.arange(3 * 32 * 96, dtype=torch.int64) // 24 + i) % 256
+    return ramp.to(torch.uint8).reshape(3, 32, 96), i
+
+
+class Compressible(Dataset):
+    """``compressible_for(i)`` samples: every value of a compressed cache holds a compressed buffer."""
+
+    def __init__(self, n: int = 64, delay: float = 0.0) -> None:
+        self.n, self.delay = n, delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        if self.delay:
+            time.sleep(self.delay)
+        return compressible_for(i)
+
+
 def source_reads(count_dir: str) -> list[int]:
     """Every index the source was asked for, across all processes."""
     out: list[int] = []
@@ -236,7 +259,7 @@ def key(index: int) -> bytes:
     return index.to_bytes(8, "big")
 
 
-def golden_samples(version: int = 1) -> list[Any]:
+def golden_samples(version: int | str = 1) -> list[Any]:
     """What tests/data/golden-v<version> holds, from the script that wrote it (tests/data/make_golden.py)."""
     import importlib.util
 

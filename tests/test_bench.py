@@ -25,7 +25,14 @@ def test_bench_runs_at_tiny_sizes_and_writes_its_three_files(tmp_path):
             assert entry["first_epoch"] > 0 and entry["warm_1proc"]["median"] > 0
             assert entry["warm_loader"]["median"] > 0 and entry["pss_bytes"] > 0
             assert ("fresh_rate" in entry) == (system in ("lmdbcache", "memmap", "diskcache", "hf-datasets"))
+    first = data["first_epochs"]
+    assert set(first["workloads"]) == {"png", "jpeg", "dict"} and set(first["miss_us"]) == {"1 KiB", "3 KiB", "6 KiB"}
+    for entry in first["workloads"].values():
+        for order in ("in_order", "shuffled"):
+            assert entry[order]["bare"]["median"] > 0 and entry[order]["fill"]["median"] > 0
+    assert all(entry["fill_us"] > 0 for entry in first["miss_us"].values())
     text = (out / "latest.md").read_text()
+    assert "## First epochs" in text and "per-miss overhead, 3 KiB samples" in text
     assert "## lmdbcache targets" in text and "## How to read this" in text
     assert "returns the stored object itself" in text  # the rows a reader could misread are explained
     assert results["skipped"] == data["skipped"]

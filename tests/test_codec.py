@@ -26,7 +26,7 @@ from test_processes import run_script
 
 import lmdbcache
 from lmdbcache import CorruptSampleError, InvalidOptionError, UnsupportedSampleError
-from lmdbcache._format import PIL_BITS, VALUE_VERSION
+from lmdbcache._format import PIL_BITS
 from lmdbcache._version import FORMAT_VERSION
 from lmdbcache.codec import TORCH_DTYPES, decode, encode
 
@@ -46,7 +46,7 @@ def packb(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def make_value(structure: bytes, buffers=(), index: int = INDEX, version: int = VALUE_VERSION) -> bytes:
+def make_value(structure: bytes, buffers=(), index: int = INDEX, version: int = 2) -> bytes:
     """A value with valid checksums around any structure: crafted records reach the parser itself."""
     seed = index if version >= 2 else 0
     data_hash = seed
@@ -258,6 +258,43 @@ def test_flat_form_for_tensor_and_scalars():
         assert_same(single, roundtrip(single))
 
 
+def test_a_planned_flat_sample_is_written_as_the_general_path_writes_it():
+    """The flat plan cache writes the same bytes as the first, checked write; what it cannot take falls back."""
+    from lmdbcache import _encode
+
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    kinds = [
+        (base, 7, 0.5, True),
+        (torch.arange(6, dtype=torch.bfloat16), -3),
+        (torch.tensor(2.5, dtype=torch.float64), torch.ones(2, 2, dtype=torch.complex64)),
+        (5, torch.zeros(3, dtype=torch.uint8), 2.0),
+        (torch.zeros(0, 2), 1),  # no plan for an empty tensor: always the checked path
+    ]
+    for sample in kinds:
+        _encode._FLAT_PLANS.clear()
+        first = encode(sample, INDEX)
+        assert encode(sample, INDEX) == first  # the second write goes through the plan
+        assert_same(decode(first, INDEX), sample)
+    # Same dtype and shape as a planned kind, but no plain view of its bytes (strided, conj or neg bit):
+    # written exactly as its contiguous, resolved copy is.
+    z = torch.arange(4, dtype=torch.float32).reshape(2, 2) * (1 + 2j)
+    for variant in [torch.arange(12, dtype=torch.float32).reshape(4, 3).t(), z.conj(), z._neg_view(), z.t()]:
+        plain = variant.resolve_conj().resolve_neg().contiguous().clone()
+        _encode._FLAT_PLANS.clear()
+        expected = encode((plain, 7), INDEX)
+        encode((plain, 7), INDEX)  # the kind now has a plan
+        assert encode((variant, 7), INDEX) == expected
+    assert encode((base, 2**63, 0.5, True), INDEX)[24] != 0xC1  # an int beyond int64: the msgpack form
+    for refused, what in [
+        (base.clone().requires_grad_(), "requires grad"),
+        (base.to_sparse(), "layout"),
+        (torch.empty(3, 4, device="meta"), "device"),
+    ]:
+        with pytest.raises(UnsupportedSampleError, match=r"sample\[0\]") as info:
+            encode((refused, 7, 0.5, True), INDEX)
+        assert what in str(info.value)
+
+
 @pytest.mark.parametrize("mode", ["1", "L", "P", "RGB", "RGBA", "I;16", "I", "F", "LA", "CMYK", "YCbCr"])
 def test_pil_images(mode):
     """PIL images round-trip as PIL images with mode, size, pixels and palette."""
@@ -359,7 +396,7 @@ def test_value_layout_is_stable():
     """The bytes of known samples match the documented layout (a change here needs a FORMAT_VERSION bump)."""
     value = encode((torch.tensor([1, 2], dtype=torch.uint8), 5), 9)
     magic, size, structure_hash, data_hash = struct.unpack_from("<4sIQQ", value)
-    assert magic == b"LMC\x02" and FORMAT_VERSION == 3  # format 3 changed the metadata, not the values
+    assert magic == b"LMC\x02" and FORMAT_VERSION == 3  # format 3 writes uncompressed values as format 2 did
     structure = value[24 : 24 + size]
     assert structure_hash == xxhash.xxh3_64_intdigest(structure, seed=9)
     assert data_hash == xxhash.xxh3_64_intdigest(b"\x01\x02", seed=9)

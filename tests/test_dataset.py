@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import random
@@ -59,6 +60,50 @@ def test_miss_returns_exactly_what_a_hit_returns(cache_dir):
         assert_same(hit, ds[i])
         if isinstance(sample, tuple):
             assert misses[i][0].is_contiguous() and torch.equal(misses[i][0], sample[0])
+
+
+def _arrays(sample):
+    """Every tensor and numpy array in ``sample``, depth first."""
+    if isinstance(sample, (torch.Tensor, np.ndarray)):
+        return [sample]
+    if isinstance(sample, (tuple, list)):
+        return [a for item in sample for a in _arrays(item)]
+    if isinstance(sample, dict):
+        return [a for item in sample.values() for a in _arrays(item)]
+    return []
+
+
+@pytest.mark.parametrize("method", ["getitem", "getitems"])
+def test_a_miss_is_a_hit_and_shares_no_memory_with_the_source(cache_dir, method):
+    """A miss (flat or not) returns a hit's types, dtypes, contiguity, writability, and owns its memory."""
+    samples = [
+        (torch.arange(12, dtype=torch.uint8).reshape(3, 4), 5),
+        (torch.arange(6.0).reshape(2, 3).t(), 1.5, True, torch.zeros((), dtype=torch.int16)),
+        (np.arange(4, dtype=">i4"), torch.ones(2)),
+        {"x": torch.arange(3), "y": [np.float32(2.5), (np.arange(3)[::2], "t")], "z": None},
+        [torch.zeros(2, dtype=torch.bfloat16), 7, b"b"],
+        3.25,
+    ]
+    pristine = copy.deepcopy(samples)
+    ds = CachedDataset(Listed(samples), cache_dir)
+    indices = list(range(len(samples)))
+    misses = [ds[i] for i in indices] if method == "getitem" else ds.__getitems__(indices)
+    ds.flush()
+    hits = CachedDataset.open(cache_dir)
+    for i, (miss, source) in enumerate(zip(misses, samples)):
+        hit = hits[i]
+        assert_same(miss, hit)
+        for got, stored, original in zip(_arrays(miss), _arrays(hit), _arrays(source)):
+            if isinstance(got, torch.Tensor):
+                assert got.is_contiguous() and got.is_contiguous() == stored.is_contiguous()
+                assert got.untyped_storage().data_ptr() != original.untyped_storage().data_ptr()
+                got.reshape(-1).view(torch.uint8).fill_(0xAB)  # writable: a copy of the source's
+            else:
+                assert got.flags.writeable and got.flags.c_contiguous and got.flags.owndata is stored.flags.owndata
+                assert not np.shares_memory(got, original)
+                got.view(np.uint8)[...] = 0xAB
+        assert_same(hits[i], hit)  # the cache did not change through the miss
+    assert_same(samples, pristine)  # nor did the source
 
 
 def test_each_index_is_decoded_once(cache_dir, counts):

@@ -322,8 +322,10 @@ def test_break_leaves_no_thread(cache_dir):
     loader.close()
 
 
-def test_a_transform_error_reaches_the_consumer_with_its_index(cache_dir):
-    """A failing per-sample transform is re-raised in the consumer, naming the index; no thread stays."""
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_transform_error_reaches_the_consumer_with_its_index(cache_dir, workers):
+    """A failing per-sample transform is re-raised in the consumer, naming the index, on the threads and on
+    worker processes; no thread stays."""
 
     def transform(sample):
         if sample[1] == 21:
@@ -336,11 +338,11 @@ def test_a_transform_error_reaches_the_consumer_with_its_index(cache_dir):
 
     def run():
         with pytest.raises(ValueError, match="bad augmentation") as info:
-            list(ds.loader(8))
+            list(ds.loader(8, num_workers=workers))
         raised.append(info.value)
 
     assert not threads_after(run)
-    notes = " ".join(getattr(raised[0], "__notes__", []))
+    notes = " ".join([str(raised[0]), *getattr(raised[0], "__notes__", [])])  # a worker's note is in its traceback
     assert "index 21" in notes and "batch 2" in notes
 
 
@@ -455,7 +457,7 @@ def test_random_transforms_do_not_depend_on_threads(cache_dir):
     state = torch.get_rng_state()
     runs = []
     for threads in (1, 3, 3):
-        loader = ds.loader(8, shuffle=True, seed=4, num_threads=threads)
+        loader = ds.loader(8, shuffle=True, seed=4, num_threads=threads, num_workers=0)
         runs.append([list(loader), list(loader)])  # epochs 0 and 1
         loader.close()
     same(runs[0], runs[1])

@@ -8,7 +8,8 @@ import signal
 import struct
 
 import pytest
-from helpers import Synthetic, assert_same, key, raw_cache, sample_for
+import torch
+from helpers import Listed, Synthetic, assert_same, key, raw_cache, sample_for
 from test_cli import SPEC, _flip_in_file, cli
 from test_processes import FILL_SCRIPT, check_cache, run_script, wait_for_count
 
@@ -288,3 +289,17 @@ def test_a_pack_key_in_a_cache_without_packs_is_damage(cache_dir):
     ds = CachedDataset.open(cache_dir)
     assert_same(ds[8], sample_for(8))
     ds.close()
+
+
+def test_packs_hold_compressed_values(cache_dir):
+    """pack and compress together: the packed values are the framed ones, and read back exactly."""
+    pytest.importorskip("zstandard")
+    samples = [(torch.zeros(4096, dtype=torch.uint8) + i, i) for i in range(20)]  # compressible, 4 KiB buffers
+    with CachedDataset(Listed(samples), cache_dir, pack=8, compress="zstd") as ds:
+        ds.__getitems__(list(range(20)))
+    assert layout(cache_dir) == ([], [0, 8, 16])
+    reader = CachedDataset.open(cache_dir)
+    assert reader._live_store().raw(9)[:4] == b"LMC\x03"  # framed: compressed
+    for i in range(20):
+        assert_same(reader[i], samples[i])
+    reader.close()

@@ -16,7 +16,7 @@ import torch
 from helpers import Synthetic, assert_same, sample_for, source_reads
 from torch.utils.data import DataLoader
 
-from lmdbcache import CachedDataset, CacheMismatchError, ReadersFullError, SampleNotCachedError, _env, _registry
+from lmdbcache import CachedDataset, CacheMismatchError, ReadersFullError, SampleNotCachedError, _env, _fs, _registry
 from lmdbcache import store as _store
 
 TESTS = Path(__file__).parent
@@ -126,12 +126,18 @@ def test_reader_runs_while_another_process_fills(cache_dir):
 
 
 def test_sigkilled_writer_then_clean_reopen(cache_dir):
-    """A writer SIGKILLed mid-fill leaves every committed sample intact; a reopen refills the rest."""
+    """A writer SIGKILLed mid-fill (unsynced commits) leaves every committed sample intact; a reopen refills the rest.
+
+    Its unsynced-commits marker stays, with this boot's id: the same boot opens the cache as it is (a warning
+    would fail the test), and the last close syncs the file and removes the marker.
+    """
     n = 2000
     with run_script(FILL_SCRIPT, str(cache_dir), str(n), "3", "0.001", "10", wait=False) as proc:
         wait_for_count(cache_dir, 100)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
+    marker = cache_dir / _fs.UNSYNCED
+    assert marker.read_text().strip() == _fs.boot_id()
     ds = CachedDataset(Synthetic(n), cache_dir)
     committed = ds.cached_count
     assert 100 <= committed < n
@@ -143,6 +149,8 @@ def test_sigkilled_writer_then_clean_reopen(cache_dir):
     for i in range(n):
         assert_same(ds[i], sample_for(i))
     ds.close()
+    reader.close()
+    assert not marker.exists()
     check_cache(cache_dir, n)
 
 

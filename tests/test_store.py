@@ -13,7 +13,7 @@ import lmdb
 import msgpack
 import pytest
 import torch
-from helpers import Listed, Synthetic, assert_same, golden_samples, key, raw_cache, sample_for, unmount
+from helpers import Listed, Synthetic, assert_same, golden_samples, key, raw_cache, sample_for, source_reads, unmount
 from test_processes import run_script
 
 import lmdbcache
@@ -22,8 +22,10 @@ from lmdbcache import (
     CacheMismatchError,
     CorruptCacheError,
     CorruptSampleError,
+    LmdbCacheWarning,
     NotACacheError,
     ReadOnlyCacheError,
+    _fs,
     _registry,
 )
 
@@ -288,7 +290,7 @@ def test_unreadable_metadata_is_a_clear_error(cache_dir):
 
 
 def test_format_1_cache_is_filled_in_the_current_format_and_still_reads(tmp_path):
-    """Opening a format-1 cache with its source marks it the current format (same build); old and new values read."""
+    """Opening a format-1 cache with its source marks it format 3 (same build); old and new values both read."""
     copy = tmp_path / "golden"
     copy.mkdir()
     shutil.copy(GOLDEN / "data.mdb", copy / "data.mdb")
@@ -302,6 +304,7 @@ def test_format_1_cache_is_filled_in_the_current_format_and_still_reads(tmp_path
     ds = CachedDataset(source, copy, fingerprint="golden")
     meta = ds._live_store().meta()
     assert meta["format_version"] == lmdbcache.FORMAT_VERSION == 3 and meta["upgraded_from"] == 1
+    assert "compress" not in meta  # an upgraded cache stores values as they are encoded
     time.sleep(0.3)
     for i, sample in enumerate(expected):
         assert_same(reader[i], sample)  # the reader was not told the cache was rebuilt: it was not
@@ -435,8 +438,8 @@ def test_prefetched_reads_return_the_same_samples_cold_and_warm(cache_dir, advic
     order = [(7 * i) % n for i in range(n)]
     for i in order:  # first reads in this process (bounds checked, then announced)
         assert_same(ds[i], big_sample(i))
-    first = len(advice)  # all but the first read: one read seen cold turns the advice on
-    assert first == n - 1 and all(a == 3 and length >= 3 * 96 * 96 for _, length, a in advice)
+    first = len(advice)  # all but the first two reads: two reads in a row seen cold turn the advice on
+    assert first == n - 2 and all(a == 3 and length >= 3 * 96 * 96 for _, length, a in advice)
     for _ in range(2):  # verified reads, cold after eviction, then warm
         evict(cache_dir)
         for i in order:
@@ -495,3 +498,77 @@ def test_the_prefetch_is_a_no_op_without_proc_self_maps_or_madvise(cache_dir, ad
         for i in range(6):
             assert_same(ds[i], big_sample(i))
     ds.close()
+
+
+def _map_flags(cache_dir) -> set[str]:
+    """The VmFlags of this process's first mapping of data.mdb, where the file's pages are (rr: random-read
+    advice, sr: sequential)."""
+    real, inside = os.path.realpath(cache_dir / "data.mdb"), False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) >= 5 and "-" in fields[0] and ":" in fields[3]:  # a mapping's header line
+                inside = len(fields) == 6 and os.path.realpath(fields[5].strip()) == real
+            elif inside and line.startswith("VmFlags:"):
+                return set(line.split()[1:])
+    return set()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the mapping's advice from smaps")
+def test_scans_read_ahead_and_restore_random_advice(cache_dir):
+    """reading_ahead (verify, merge, copy) turns the map's readahead on for the scan and back off after it;
+    the scan reads what random reads read."""
+    _big_cache(cache_dir, 8)
+    with _registry.opened(str(cache_dir)) as store:
+        store.meta()  # opens the environment (it maps data.mdb)
+        assert "rr" in _map_flags(cache_dir)  # LMDB's readahead=False
+        with store.reading_ahead():
+            flags = _map_flags(cache_dir)
+            assert "sr" in flags and "rr" not in flags
+            scanned = dict(store.iter_raw())
+        assert "rr" in _map_flags(cache_dir) and "sr" not in _map_flags(cache_dir)
+        assert sorted(scanned) == list(range(8))
+        assert all(scanned[i] == store.raw(i) for i in range(8))
+
+
+FOREIGN_BOOT = "00000000-0000-4000-8000-000000000000\n"
+
+
+def test_unsynced_commits_leave_a_boot_marker_until_close_and_sync_true_leaves_none(cache_dir, counts):
+    """An unsynced commit first leaves this boot's id in a marker; close syncs and removes it; sync=True needs none."""
+    marker = cache_dir / _fs.UNSYNCED
+    ds = CachedDataset(Synthetic(10, count_dir=counts), cache_dir)
+    ds[0]
+    assert not marker.exists()  # nothing committed yet
+    ds.flush()
+    assert marker.read_text() == _fs.boot_id() + "\n"
+    ds.close()
+    assert not marker.exists()
+    durable = CachedDataset(Synthetic(10, count_dir=counts), cache_dir, sync=True)
+    durable[1]
+    durable.flush()
+    assert not marker.exists()
+    durable.close()
+    assert CachedDataset.open(cache_dir).cached_count == 2
+
+
+def test_a_marker_left_by_another_boot_rebuilds_the_cache(cache_dir, counts):
+    """Unsynced commits of a boot that ended (a crash?) may be torn: the cache is rebuilt with a warning, never read."""
+    ds = CachedDataset(Synthetic(10, count_dir=counts), cache_dir)
+    for i in range(10):
+        ds[i]
+    ds.close()
+    (cache_dir / _fs.UNSYNCED).write_text(FOREIGN_BOOT)  # as a process of the earlier boot left it
+    with pytest.raises(CorruptCacheError, match=r"without a disk sync when the machine went down.*with its dataset"):
+        CachedDataset.open(cache_dir)
+    with pytest.raises(CorruptCacheError, match="read-only location"), read_only(cache_dir) as ro:
+        CachedDataset.open(ro)
+    with pytest.warns(LmdbCacheWarning, match=r"00000000-0000-4000-8000-000000000000.*being rebuilt"):
+        rebuilt = CachedDataset(Synthetic(10, count_dir=counts), cache_dir)
+    assert rebuilt.cached_count == 0 and not (cache_dir / _fs.UNSYNCED).exists()
+    assert_same(rebuilt[3], sample_for(3))
+    assert sorted(source_reads(counts)) == sorted([*range(10), 3])  # decoded again, from the source
+    rebuilt.close()
+    (cache_dir / _fs.UNSYNCED).write_text("garbage \xff" * 50)  # hostile content: another boot's too
+    with pytest.warns(LmdbCacheWarning, match="being rebuilt"):
+        CachedDataset(Synthetic(10, count_dir=counts), cache_dir).close()

@@ -282,3 +282,24 @@ def test_merge_verifies_each_value_against_its_index(tmp_path):
     damage_entries(a, lambda txn: txn.put(key(6), txn.get(key(2))))
     line = one_line_error(cli("merge", str(tmp_path / "out"), str(a), "--quiet", check=1))
     assert f"Shard '{a}': index 6 is damaged" in line and "verify --repair" in line
+
+
+def test_copy_is_synced_and_drops_the_old_files_unsynced_marker(tmp_path):
+    """A copy replaces a cache whose unsynced-commits marker came from another boot: the copy was synced before
+    the swap, so the marker (which described the old file) goes with it, and the copy opens without a rebuild."""
+    from lmdbcache import _fs
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    ds = CachedDataset(Synthetic(12), src)
+    ds.__getitems__(list(range(12)))
+    ds.close()
+    old = CachedDataset(Synthetic(12), dst)
+    old[0]
+    old.close()
+    (dst / _fs.UNSYNCED).write_text("00000000-0000-4000-8000-000000000000\n")  # a boot that crashed
+    assert tools.copy_cache(src, dst, overwrite=True).action == "replaced"
+    assert not (dst / _fs.UNSYNCED).exists()
+    copied = CachedDataset.open(dst)
+    assert copied.cached_count == 12
+    assert_same(copied[5], sample_for(5))
+    copied.close()

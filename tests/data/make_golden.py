@@ -20,11 +20,18 @@ import torch
 HERE = Path(__file__).parent
 
 
-def golden_samples(version: int = 1) -> list[Any]:
-    """The samples stored in tests/data/golden-v<version>."""
-    if version >= 3:
-        return golden_samples(2)  # format 3 changed the layout (packs), not what a value can hold
-    if version >= 2:
+def golden_samples(version: int | str = 1) -> list[Any]:
+    """The samples stored in tests/data/golden-v<version> (``"3-zstd"``: the zstd-compressed format-3 cache)."""
+    if version == "3-zstd":
+        ramp = np.arange(4096, dtype="<u2") // 16
+        return [
+            *golden_samples(2),
+            (torch.arange(8192, dtype=torch.int64) % 7, 1),  # flat, one compressed buffer
+            {"mask": ramp.reshape(64, 64), "raw": np.arange(10, dtype="<i8"), "t": [torch.zeros(2048)]},
+        ]
+    if version == 3:
+        return golden_samples(2)  # golden-v3 is packed (pack=2): the layout changed, not what a value holds
+    if isinstance(version, int) and version >= 2:
         padded = np.dtype({"names": ["a", "b"], "formats": ["<u1", "<f8"], "offsets": [0, 8], "itemsize": 24})
         records = np.zeros(2, dtype=padded)  # zeros: the padding bytes are stored too
         records["a"], records["b"] = [1, 3], [2.5, -1.0]
@@ -46,13 +53,13 @@ def golden_samples(version: int = 1) -> list[Any]:
     ]
 
 
-def write_golden(out: Path, version: int) -> None:
+def write_golden(out: Path, version: int | str, compress: str | None = None) -> None:
     """Fill a new cache at ``out`` with ``golden_samples(version)`` and keep only its data file."""
     import lmdbcache
 
     samples = golden_samples(version)  # a list is a map-style dataset
-    pack = {"pack": 2} if version >= 3 else {}  # format 3: packs of 2 (the last chunk holds one sample)
-    with lmdbcache.CachedDataset(samples, out, fingerprint="golden", map_size=1 << 20, **pack) as ds:
+    pack = {"pack": 2} if version == 3 else {}  # golden-v3: packs of 2 (the last chunk holds one sample)
+    with lmdbcache.CachedDataset(samples, out, fingerprint="golden", map_size=1 << 20, compress=compress, **pack) as ds:
         ds.__getitems__(list(range(len(ds))))
     for name in ("lock.mdb", "lmdbcache.lock"):
         (out / name).unlink(missing_ok=True)
@@ -69,3 +76,7 @@ if __name__ == "__main__":
         sys.exit(f"{target} exists: golden caches are never rewritten")
     write_golden(target, FORMAT_VERSION)
     print(f"wrote {target}")
+    zstd = HERE / f"golden-v{FORMAT_VERSION}-zstd"  # compressed values: format 3 on
+    if not zstd.exists():
+        write_golden(zstd, f"{FORMAT_VERSION}-zstd", compress="zstd")
+        print(f"wrote {zstd}")

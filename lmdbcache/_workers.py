@@ -1,0 +1,96 @@
+"""A ``Loader`` pass on worker processes (``num_workers``): for per-sample transforms that hold the GIL.
+
+The thread path runs a per-sample transform on the copy threads, one at a time while the
+global generators are seeded (``_pass._seeded``), so a Python or PIL augmentation gets no
+parallelism there. Here each batch is built in one of ``num_workers`` processes of a
+``DataLoader`` instead: the order is the loader's own (its batches are the
+DataLoader's ``batch_sampler``), each index is seeded from (seed, epoch, index) exactly as on
+the threads, so both paths give equal batches, and the worker collates the batch straight
+into shared memory (``default_collate``; without a transform, ``lmdbcache.collate``'s one-copy
+path). The workers live for one pass, as DataLoader's (not persistent) do: however the pass
+ends, no process or thread stays behind. Starting them costs a fork per worker per epoch
+(with ``spawn``, an interpreter and the imports).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data._utils.collate import default_collate
+
+from ._collate import collate
+from ._pass import one_by_one
+from .errors import add_note
+
+if TYPE_CHECKING:
+    from .dataset import CachedDataset
+    from .loader import Loader
+
+__all__ = ["WorkerPass"]
+
+
+class _Seeded(Dataset[Any]):
+    """In a worker: the samples of a batch of (seed, epoch, index) items, each transform seeded as on the threads."""
+
+    def __init__(self, ds: CachedDataset, seeded: bool) -> None:
+        self.ds, self.seeded = ds, seeded
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, item: tuple[int, int, int]) -> Any:
+        return self.__getitems__([item])[0]
+
+    def __getitems__(self, items: list[tuple[int, int, int]]) -> list[Any]:
+        seed, epoch, _ = items[0]
+        return one_by_one(self.ds, [index for _, _, index in items], (seed, epoch) if self.seeded else None)
+
+
+class WorkerPass:
+    """One pass on its own worker processes, with ``_pass.Pass``'s interface: ``get()`` a (batch, slots) or an
+    exception, ``stop()`` ends the workers (whatever ended the pass: its end, break, an error, ``close()``)."""
+
+    def __init__(self, loader: Loader, epoch: int, batches: list[list[int]], start: int) -> None:
+        ds, count = loader.dataset, loader.worker_processes
+        self.loader, self.epoch, self.next = loader, epoch, start
+        transformed = ds.transform is not None
+        items: list[list[Any]] = batches[start:]
+        if transformed:
+            items = [[(loader.seed, epoch, i) for i in batch] for batch in items]
+        dataloader: DataLoader[Any] = DataLoader(
+            _Seeded(ds, loader.seed_transforms) if transformed else ds,
+            batch_sampler=items,
+            num_workers=count,
+            collate_fn=default_collate if transformed else collate,
+            pin_memory=loader.pin_memory,
+            prefetch_factor=max(2, -(-loader.prefetch // count)),
+            multiprocessing_context=loader.multiprocessing_context,
+        )
+        self.iterator: Iterator[Any] | None = iter(dataloader)
+
+    def get(self) -> Any:
+        k, self.next = self.next, self.next + 1
+        iterator = self.iterator
+        if iterator is None:
+            return RuntimeError("lmdbcache.Loader was closed while this pass was running.")
+        try:
+            batch = next(iterator)
+            transform = self.loader.batch_transform
+            if transform is not None:
+                batch = transform(batch)
+        except StopIteration:
+            return RuntimeError("lmdbcache.Loader: the workers ended the pass early")
+        except BaseException as exc:  # re-raised in the consumer, as on the threads
+            if self.iterator is None:  # close() from another thread shut the workers down under next()
+                return RuntimeError("lmdbcache.Loader was closed while this pass was running.")
+            add_note(exc, f"lmdbcache.Loader: raised loading batch {k} of epoch {self.epoch} (on a worker process)")
+            return exc
+        return batch, []
+
+    def stop(self) -> None:
+        iterator, self.iterator = self.iterator, None
+        shutdown = getattr(iterator, "_shutdown_workers", None)  # the DataLoader's own clean shutdown
+        if shutdown is not None:
+            shutdown()

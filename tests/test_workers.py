@@ -1,0 +1,124 @@
+"""lmdbcache.Loader on worker processes (``num_workers``): the thread path's batches, resume, errors, shutdown."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+
+import pytest
+import torch
+from helpers import Synthetic
+from test_loader import random_transform, reference, same, warm
+
+from lmdbcache import CachedDataset, InvalidOptionError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def children() -> set[int]:
+    return {p.pid for p in multiprocessing.active_children()}
+
+
+def transformed(cache_dir, n=40, transform=random_transform):
+    warm(CachedDataset(Synthetic(n), cache_dir)).close()
+    return CachedDataset.open(cache_dir, transform=transform)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_worker_processes_give_the_thread_paths_batches(cache_dir, context):
+    """A random per-sample transform gives equal batches on 2 worker processes and on the threads, epoch by
+    epoch (each index is seeded from (seed, epoch, index) on both), and close() ends the workers."""
+    ds = transformed(cache_dir)
+    before = children()
+    runs = []
+    for workers in (0, 2):
+        loader = ds.loader(8, shuffle=True, seed=3, num_workers=workers, multiprocessing_context=context)
+        runs.append([list(loader), list(loader)])
+        if workers:
+            assert not children() - before  # the workers of a pass end with it
+        loader.close()
+    same(runs[0], runs[1])
+    labels = torch.cat([b[1] for b in runs[1][0]]) // 1000
+    assert sorted(labels.tolist()) == list(range(40))
+    deadline = time.monotonic() + 10
+    while children() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not children() - before
+
+
+def test_without_a_transform_workers_give_dataloaders_batches(cache_dir):
+    """num_workers without a transform: DataLoader's batches (built with lmdbcache.collate in the workers)."""
+    ds = warm(CachedDataset(Synthetic(30), cache_dir))
+    with ds.loader(8, shuffle=True, seed=2, num_workers=2) as loader:
+        same(list(loader), reference(ds, 8, seed=2, shuffle=True))
+
+
+def test_workers_resume_mid_epoch_and_count_delivered_batches(cache_dir):
+    """state_dict counts batches the consumer received; a new loader resumes at the next one, on workers too."""
+    ds = transformed(cache_dir)
+    with ds.loader(4, shuffle=True, seed=5, num_workers=2) as loader:
+        full = list(loader)
+    with ds.loader(4, shuffle=True, seed=5, num_workers=2) as loader:
+        for k, _ in enumerate(loader):
+            if k == 2:
+                break
+        state = loader.state_dict()
+    assert state == {"seed": 5, "epoch": 0, "batches": 3}
+    with ds.loader(4, shuffle=True, seed=5, num_workers=2) as loader:
+        loader.load_state_dict(state)
+        same(list(loader), full[3:])
+
+
+def failing(sample):
+    if sample[1] == 13:
+        raise ValueError("bad augmentation")
+    return sample
+
+
+def test_a_transform_error_in_a_worker_reaches_the_consumer_with_its_index(cache_dir):
+    """A transform failing in a worker is re-raised in the consumer, naming the index and the batch."""
+    ds = transformed(cache_dir, 24, failing)
+    before = children()
+    loader = ds.loader(4, num_workers=2)
+    with pytest.raises(ValueError, match="bad augmentation") as info:
+        list(loader)
+    assert "index 13" in str(info.value)
+    assert "batch 3" in " ".join(getattr(info.value, "__notes__", []))
+    loader.close()
+    loader.close()
+    deadline = time.monotonic() + 10
+    while children() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not children() - before
+
+
+def test_close_from_another_thread_ends_a_worker_pass_clearly(cache_dir):
+    """close() from another thread while the consumer reads from the workers: 'was closed', no worker left."""
+    ds = transformed(cache_dir, 200)
+    before = children()
+    loader = ds.loader(2, num_workers=2)
+    with pytest.raises(RuntimeError, match="was closed while this pass was running"):
+        for k, _ in enumerate(loader):
+            if k == 2:
+                closer = threading.Thread(target=loader.close)
+                closer.start()
+                closer.join()
+    deadline = time.monotonic() + 10
+    while children() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not children() - before
+
+
+def test_worker_count_is_automatic_or_checked(cache_dir):
+    """None: worker processes (num_threads of them) when the dataset has a per-sample transform, else threads."""
+    ds = warm(CachedDataset(Synthetic(8), cache_dir))
+    assert ds.loader(4).worker_processes == 0
+    assert ds.loader(4, num_workers=3).worker_processes == 3
+    ds.close()
+    with_transform = CachedDataset.open(cache_dir, transform=lambda s: s)
+    assert with_transform.loader(4, num_threads=3).worker_processes == 3
+    assert with_transform.loader(4, num_workers=0).worker_processes == 0
+    for bad in (-1, 1.5, "2"):
+        with pytest.raises(InvalidOptionError, match="num_workers"):
+            ds.loader(4, num_workers=bad)
