@@ -79,6 +79,8 @@ class Handle:
         # A read transaction kept open between hits (see _reader) and when it goes stale.
         self._rtxn: lmdb.Transaction | None = None
         self._rtxn_expires = 0.0
+        # Packs (views) looked up in that kept transaction, by first index; forgotten with it (_read._pack_of).
+        self._packs: dict[int, Any] = {}
         # Byte i set: this process has verified index i's data checksum (checksum="once"). A byte
         # rather than a bit per index: N bytes per process is small, and the test is cheaper.
         self._verified: bytearray | None = None
@@ -87,6 +89,9 @@ class Handle:
         self._guard: MapGuard | None = None
         self._close_when_idle = False  # close() was interrupted while a batch was being written
         self._compressor: _compress.Compressor | None = None  # the adopted build's, if it compresses
+        # The adopted build's chunk size K for packs (_pack; 0: none) and its dataset length.
+        self._pack = 0
+        self._length = 0
 
     def _open_env(self, *, readonly: bool) -> lmdb.Environment:
         """Open this process's environment and the two databases. Caller holds self._lock."""
@@ -174,6 +179,7 @@ class Handle:
             self.build = meta["cache_id"]
         self._meta, self._meta_raw, self._stale = meta, raw, None
         length = meta["length"]
+        self._pack, self._length = meta.get("pack", 0), length
         verified = self._verified
         if length <= _VERIFIED_MAX and (verified is None or len(verified) < length):
             self._verified = bytearray(length)
@@ -277,6 +283,7 @@ class Handle:
                 raise translate(exc, self.path, "clearing stale readers of") from exc
 
     def _drop_reader(self) -> None:
+        self._packs.clear()  # views into the transaction's snapshot: never used past it
         txn, self._rtxn = self._rtxn, None
         if txn is not None:
             txn.abort()

@@ -7,7 +7,9 @@ still filling a rebuilt cache cannot write old samples into it) and ``builder`` 
 it, for messages). A cache upgraded in place from an older format also has
 ``upgraded_from``. Format 3 adds ``compress`` (``"lz4"`` or ``"zstd"``; absent or nil: values
 are stored as encoded) and ``compress_level`` (int): what every writer of the build compresses
-with (``_compress``). A cache file is untrusted input: every field is validated before use.
+with (``_compress``); and ``pack`` (int, 0 to ``_pack.MAX_PACK``): the chunk size K of packed
+records (see ``_pack``); 0 or absent: no packs. A cache file is untrusted input: every field is
+validated before use.
 
 Pure functions of bytes and dicts; the store does the reading and writing.
 """
@@ -24,6 +26,7 @@ import msgpack
 
 from ._compress import CODECS, LEVELS
 from ._lmdb_errors import REBUILD
+from ._pack import MAX_PACK
 from ._version import FORMAT_VERSION, OLDEST_READABLE_FORMAT, __version__
 from .errors import CacheMismatchError, CorruptCacheError, NotACacheError
 
@@ -100,13 +103,19 @@ def validate(meta: Any, path: str) -> dict[str, Any]:
             f"Cache '{path}' has damaged metadata: fields 'compress', 'compress_level' are {codec!r:.40}, "
             f"{level!r:.40}, expected 'lz4' or 'zstd' and a level. {REBUILD}"
         )
+    pack = meta.get("pack", 0)
+    if type(pack) is not int or not 0 <= pack <= MAX_PACK:
+        raise CorruptCacheError(
+            f"Cache '{path}' has damaged metadata: field 'pack' is {pack!r:.80}, expected an integer from 0 to "
+            f"{MAX_PACK}. {REBUILD}"
+        )
     return meta
 
 
 def settings(meta: dict[str, Any]) -> dict[str, Any]:
     """The build's creation settings, as a rebuild should keep them (see ``_fs.mark_unsynced``)."""
     codec, level = compression(meta)
-    return {"compress": codec, "compress_level": level}
+    return {"compress": codec, "compress_level": level, "pack": meta.get("pack", 0)}
 
 
 def compression(meta: dict[str, Any]) -> tuple[str | None, int]:
@@ -145,8 +154,11 @@ def check(meta: dict[str, Any], path: str, length: int | None, fingerprint: str 
     return meta
 
 
-def new(length: int, fingerprint: str, codec: str | None = None, level: int = 0) -> tuple[dict[str, Any], bytes]:
-    """The record of a new build (a new ``cache_id``), compressed with ``codec`` at ``level``, and its bytes."""
+def new(
+    length: int, fingerprint: str, codec: str | None = None, level: int = 0, pack: int = 0
+) -> tuple[dict[str, Any], bytes]:
+    """The record of a new build (a new ``cache_id``), compressed with ``codec`` at ``level``, packed by
+    chunks of ``pack`` (0: no packs), and its bytes."""
     meta: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "length": int(length),
@@ -158,6 +170,8 @@ def new(length: int, fingerprint: str, codec: str | None = None, level: int = 0)
     }
     if codec is not None:
         meta["compress"], meta["compress_level"] = codec, level
+    if pack:
+        meta["pack"] = int(pack)
     return meta, msgpack.packb(meta)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ._pack import MAX_PACK
 from .errors import InvalidOptionError
 
 __all__ = ["MIB", "check_options", "parse_size"]
@@ -46,8 +47,13 @@ def check_options(
     commit_interval: Any,
     checksum: Any,
     fingerprint: Any = None,
+    pack: Any = 0,
 ) -> None:
     """Refuse out-of-range options with one clear error each (before anything is opened)."""
+    if type(pack) is not int or not 0 <= pack <= MAX_PACK:
+        raise InvalidOptionError(
+            f"pack must be an integer from 0 (no packs) to {MAX_PACK} (samples per packed record), not {pack!r}."
+        )
     if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint):
         raise InvalidOptionError(
             f"fingerprint must be a non-empty string (or None for the default), not {fingerprint!r}."

@@ -114,6 +114,7 @@ def precompute(
     progress: bool | None = None,
     compress: str | None = None,
     compress_level: int | None = None,
+    pack: int = 0,
 ) -> PrecomputeResult:
     """Decode every index of ``dataset`` (or of one shard) into the cache at ``path``.
 
@@ -125,7 +126,8 @@ def precompute(
 
     Before writing, ``check_determinism`` indices are decoded twice; if the two samples
     differ (random augmentation inside the dataset would be frozen into the cache) this
-    raises ``NondeterministicDatasetError`` unless ``allow_nondeterministic``.
+    raises ``NondeterministicDatasetError`` unless ``allow_nondeterministic``. ``pack``: as
+    ``CachedDataset``'s, for a cache created here.
 
     Raises ``SourceItemError`` naming the index when the dataset raises (what was written
     is kept). Ctrl-C commits what was decoded, stops the workers and returns with
@@ -135,15 +137,18 @@ def precompute(
     existing one keeps its own setting (another one raises ``CacheMismatchError``). The workers compress.
     """
     start = time.perf_counter()
-    _check_arguments(num_workers, batch_size, check_determinism, map_size, commit_every, commit_bytes, fingerprint)
+    _check_arguments(
+        num_workers, batch_size, check_determinism, map_size, commit_every, commit_bytes, fingerprint, pack
+    )
     check_compression(compress, compress_level)
     path = os.path.abspath(os.fspath(path))
     local, workers = _local_ranks(local, overwrite, num_workers)
     length = dataset_length(dataset)
     indices = shard_indices(length, shard, local)
     run = _Run.open(
-        path, dataset, length, fingerprint, overwrite, map_size, commit_every, commit_bytes, compress, compress_level
-    )
+        path, dataset, length, fingerprint, overwrite, map_size, commit_every, commit_bytes, compress, compress_level,
+        pack,
+    )  # fmt: skip
     try:
         todo = _not_cached(run.store, indices, length)
         halted = _fill(run, dataset, todo, workers, batch_size, progress, check_determinism, allow_nondeterministic)
@@ -163,6 +168,7 @@ def _check_arguments(
     commit_every: int,
     commit_bytes: int,
     fingerprint: str | None,
+    pack: int = 0,
 ) -> None:
     for name, value, low in (("batch_size", batch_size, 1), ("check_determinism", check_determinism, 0)):
         if type(value) is not int or value < low:
@@ -180,6 +186,7 @@ def _check_arguments(
         commit_interval=_COMMIT_INTERVAL,
         checksum="once",
         fingerprint=fingerprint,
+        pack=pack,
     )
 
 
@@ -224,6 +231,7 @@ class _Run:
         size: int,
         compress: str | None = None,
         compress_level: int | None = None,
+        pack: int = 0,
     ) -> _Run:
         """This process's store for ``path``, opened for ``dataset`` (created, or checked against it)."""
         store, meta = _registry.open_store(
@@ -237,6 +245,7 @@ class _Run:
             commit_interval=_COMMIT_INTERVAL,
             compress=compress,
             compress_level=compress_level,
+            pack=pack,
         )
         policy = Policy(every, parse_size(size), _COMMIT_INTERVAL)
         return cls(store, meta["cache_id"], policy, store.written)

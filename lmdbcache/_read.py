@@ -13,6 +13,12 @@ a page fault per 4 KiB (issue #14). Warm, the advice would cost a 147 KiB read h
 (a syscall walking 37 cached pages), so after ``_COLD_RUN`` fast reads it stops again.
 A miss is looked up again in a fresh snapshot (unless the read already began one: a miss
 costs one read transaction) and in this process's commit queue before it is reported ``MISSING``.
+
+Packs (``_pack``): with packing on, a small value is looked up in its chunk's pack first, then
+as a single record; its span is checked against the pack's header (and the record's bounds
+before that, on the first read of the index) and the value is a slice of the pack, decoded as
+a single record is. Scans merge packs and singles in index order, and report an index stored
+in both (a hostile file).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from typing import Any
 
 import lmdb
 
-from . import codec
+from . import _pack, codec
 from ._guard import PREFETCH_MIN
 from ._handle import Handle
 from ._lmdb_errors import REBUILD, translate
@@ -36,6 +42,12 @@ MISSING: Any = type("Missing", (), {"__repr__": lambda self: "MISSING"})()
 
 _KEY = struct.Struct(">Q").pack
 _UNKEY = struct.Struct(">Q").unpack
+_PKEY = _pack.key
+_TAG = _pack.TAG
+_span = _pack.span
+_pair = struct.Struct("<II").unpack_from
+_PACKS_KEPT = 1 << 16  # packs remembered per read transaction (a view each)
+assert _pack.SMALL == PREFETCH_MIN  # a packed value is small: read by the small-value path, never _large
 _decode = codec.decode
 _monotonic = time.monotonic
 _READER_MAX_AGE = 0.25  # seconds a kept read transaction may pin its snapshot
@@ -75,7 +87,17 @@ class ReadPath(Handle):
             verified = self._verified
             if verified is not None and index < len(verified) and (mark := verified[index]):
                 try:
-                    raw = txn.get(_KEY(index)) if mark == 1 else self._large(txn, index)
+                    if mark != 1:
+                        raw = self._large(txn, index)
+                    elif not (pack := self._pack):
+                        raw = txn.get(_KEY(index))
+                    elif (whole := self._pack_of(txn, first := index - index % pack)) is None:
+                        raw = txn.get(_KEY(index))  # this index's chunk is not packed
+                    elif len(whole) >= 8 + 8 * pack:  # its span, checked here before: decode catches a changed one
+                        at, end = _pair(whole, 8 + 8 * (index - first))
+                        raw = whole[at:end] if 8 < at < end else self._slice(whole, index, first)
+                    else:  # the dataset's last chunk (fewer values), or a broken pack
+                        raw = self._slice(whole, index, first)
                 except lmdb.Error as exc:
                     raise self._read_failure(exc, index) from exc
                 if raw is not None:
@@ -111,8 +133,60 @@ class ReadPath(Handle):
         return txn
 
     def _fetch(self, txn: lmdb.Transaction, index: int) -> Any:
-        """The stored value of ``index`` (a view into the map) or None, its record bounds-checked first."""
-        key = _KEY(index)
+        """The stored value of ``index`` (a view into the map) or None, its record bounds-checked first.
+
+        With packs, the chunk's pack is looked up first (a complete chunk is packed), then the single record.
+        """
+        pack = self._pack
+        if pack:
+            first = index - index % pack
+            whole = self._record(txn, _PKEY(first, _TAG), index)
+            if whole is not None:
+                return self._slice(whole, index, first)
+        return self._record(txn, _KEY(index), index)
+
+    def _slice(self, whole: Any, index: int, first: int) -> Any:
+        """The value of ``index`` in the pack ``whole`` of the chunk starting at ``first``, its span checked."""
+        n = min(self._pack, self._length - first)
+        found = _span(whole, index - first, n) if index - first < n else f"index {index} is past the dataset's end"
+        if type(found) is str:
+            raise CorruptCacheError(
+                f"Cache '{self.path}' is damaged: the pack holding index {index} (indices {first} to {first + n - 1}) "
+                f"is broken ({found}); it was not read. Run `lmdbcache verify --repair {self.path}` to drop it "
+                "(its samples are decoded again from the source on their next read)."
+            )
+        return whole[found[0] : found[1]]
+
+    def _small(self, txn: lmdb.Transaction, index: int) -> Any:
+        """A verified small value: from its chunk's pack if there is one, else its single record."""
+        pack = self._pack
+        if pack:
+            first = index - index % pack
+            whole = self._pack_of(txn, first)
+            if whole is not None:
+                return self._slice(whole, index, first)
+        return txn.get(_KEY(index))
+
+    def _pack_of(self, txn: lmdb.Transaction, first: int) -> Any:
+        """The pack of the chunk starting at ``first`` in ``txn`` (a view into the map), or None.
+
+        Packs looked up in the kept read transaction are remembered until it ends (``_drop_reader``
+        forgets them): a view stays valid exactly as long as its transaction, and py-lmdb touches
+        every page of a value it returns (its preload), 48 pages for 64 values of 3 KiB, which a
+        lookup in this dict skips.
+        """
+        if txn is not self._rtxn:
+            return txn.get(_PKEY(first, _TAG))
+        packs = self._packs
+        whole = packs.get(first)
+        if whole is None:
+            whole = txn.get(_PKEY(first, _TAG))
+            if whole is not None and len(packs) < _PACKS_KEPT:
+                packs[first] = whole
+        return whole
+
+    def _record(self, txn: lmdb.Transaction, key: bytes, index: int) -> Any:
+        """The record under ``key`` (a view into the map) or None, bounds-checked first; ``index`` names it."""
         try:
             guard = self._guard
             if guard is None or not guard.start:
@@ -237,7 +311,7 @@ class ReadPath(Handle):
         if not verified_before:
             return self._fetch(txn, index)
         try:
-            return txn.get(_KEY(index)) if verified_before == 1 else self._large(txn, index)
+            return self._small(txn, index) if verified_before == 1 else self._large(txn, index)
         except lmdb.Error as exc:
             raise self._read_failure(exc, index) from exc
 
@@ -277,6 +351,14 @@ class ReadPath(Handle):
     def cached_near(self, starts: Iterable[int]) -> list[int]:
         """For each start, the first cached index at or after it (wrapping around), without duplicates."""
         found: list[int] = []
+        with self._lock:
+            self._env or self._env_or_open()  # the build, and so its packing, is known once open
+        if self._pack:  # a pack's key is not its indices' keys: let the scan merge them
+            for start in starts:
+                index = next(self._scan(start, 1, values=False), None) or next(self._scan(0, 1, values=False), None)
+                if index is not None and index[0] not in found:
+                    found.append(index[0])
+            return found
         with self._lock:
             self._drop_reader()
             with self._begin_checked(self._env or self._env_or_open(), db=self._samples) as txn:
@@ -325,35 +407,75 @@ class ReadPath(Handle):
 
     def _scan(self, start: int, chunk: int, values: bool) -> Iterator[tuple[int, Any]]:
         # Short read transactions: a long scan never pins a snapshot that writers must move past.
-        key = _KEY(start)
+        # With packs, each batch starts at the chunk holding ``start``: its pack key sorts after the
+        # key of the chunk's first index, before ``start``'s own.
         while True:
             batch: list[tuple[int, Any]] = []
             with self._lock, self._begin_checked(self._env or self._env_or_open()) as txn:
+                pack = self._pack  # the adopted build's (known once the environment is open)
+                key = _KEY(start - start % pack if pack else start)
                 try:
                     cursor = txn.cursor(db=self._samples)
+                    covered, single = -1, -1  # the end of the last pack seen, the last single index seen
                     for k in cursor.iternext(values=False) if cursor.set_range(key) else ():
-                        if len(k) != 8:
-                            raise CorruptCacheError(
-                                f"Cache '{self.path}' is damaged: it holds a key of {len(k)} bytes "
-                                f"({bytes(k)[:16]!r}), not an 8-byte index. {REBUILD}"
-                            )
-                        index = _UNKEY(k)[0]
-                        value = None
-                        if values:
-                            # Checked before the value is touched (see _guard), then copied out.
-                            problem = self._guard.problem(k) if self._guard is not None else None
-                            if problem is not None:
-                                raise CorruptCacheError(
-                                    f"Cache '{self.path}' is damaged: the record of index {index} is broken "
-                                    f"({problem}). {REBUILD}"
-                                )
-                            value = bytes(cursor.value())
-                        batch.append((index, value))
+                        if len(k) == 8:
+                            index = single = _UNKEY(k)[0]
+                            if index < covered:
+                                raise CorruptCacheError(self._twice(index, covered))
+                            if index >= start:
+                                batch.append((index, bytes(self._view(cursor, k, index)) if values else None))
+                        else:
+                            first, n = self._pack_key(k)
+                            if single >= first:
+                                raise CorruptCacheError(self._twice(single, first + n))
+                            covered = first + n
+                            if covered > start:
+                                whole = self._view(cursor, k, first) if values else b""
+                                problem = _pack.problem(whole, n) if values else None
+                                if problem is not None:
+                                    raise CorruptCacheError(
+                                        f"Cache '{self.path}' is damaged: the pack of indices {first} to "
+                                        f"{covered - 1} is broken ({problem}). Run `lmdbcache verify --repair "
+                                        f"{self.path}` to drop it (its samples are decoded again on their next read)."
+                                    )
+                                for index in range(max(first, start), covered):
+                                    if len(batch) == chunk:
+                                        break
+                                    if values:
+                                        batch.append((index, bytes(_pack.value(whole, index - first, n))))
+                                    else:
+                                        batch.append((index, None))
                         if len(batch) == chunk:
                             break
                 except lmdb.Error as exc:
-                    raise translate(exc, self.path, f"scanning (near index {_UNKEY(key)[0]})") from exc
+                    raise translate(exc, self.path, f"scanning (near index {start})") from exc
             yield from batch
             if len(batch) < chunk or batch[-1][0] == 2**64 - 1:
                 return
-            key = _KEY(batch[-1][0] + 1)
+            start = batch[-1][0] + 1
+
+    def _view(self, cursor: lmdb.Cursor, key: Any, index: int) -> Any:
+        """The value at ``cursor`` (whose key is ``key``), its record checked before it is touched (see _guard)."""
+        problem = self._guard.problem(key) if self._guard is not None else None
+        if problem is not None:
+            raise CorruptCacheError(
+                f"Cache '{self.path}' is damaged: the record of index {index} is broken ({problem}). {REBUILD}"
+            )
+        return cursor.value()
+
+    def _pack_key(self, k: Any) -> tuple[int, int]:
+        """(first index, count) of the pack whose key is ``k``; CorruptCacheError for a key that is not ours."""
+        first = _pack.first_of(k)
+        pack = self._pack
+        if first is None or not pack or first % pack or first >= self._length:
+            raise CorruptCacheError(
+                f"Cache '{self.path}' is damaged: it holds a key of {len(k)} bytes ({bytes(k)[:16]!r}), not an "
+                f"8-byte index{' or the key of a pack' if pack else ''}. {REBUILD}"
+            )
+        return first, min(pack, self._length - first)
+
+    def _twice(self, index: int, end: int) -> str:
+        return (
+            f"Cache '{self.path}' is damaged: index {index} is stored both alone and in the pack of indices up to "
+            f"{end - 1}. {REBUILD}"
+        )

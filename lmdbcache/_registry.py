@@ -76,6 +76,7 @@ def open_store(
     create: bool = True,
     compress: str | None = None,
     compress_level: int | None = None,
+    pack: int = 0,
     **options: Any,
 ) -> tuple[Store, dict[str, Any]]:
     """This process's Store for ``path``, initialized (``Store.initialize``), and the cache's metadata.
@@ -92,6 +93,7 @@ def open_store(
             create=create,
             compress=compress,
             compress_level=compress_level,
+            pack=pack,
         )
     except BaseException:
         release(store)

@@ -8,6 +8,12 @@ adopted, so samples of a replaced build never reach a new one. A commit that doe
 grows the map and re-puts every record of the batch, never just the last one. Commits are
 not fsynced unless the store's ``sync`` asks (``_fs`` says why and what keeps that safe);
 ``sync_file`` syncs them all at once.
+
+Packs (``_pack``). In a cache created with ``pack=K``, the commit that completes a chunk (every
+index of it committed or in the batch, each value small) writes the chunk's pack and deletes
+its single records in the same transaction: a process killed at any instant leaves either
+the singles or the pack, and a reader's older snapshot still sees the singles. A chunk
+written whole by one batch (``precompute``) goes straight into its pack.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any
 
 import lmdb
 
-from . import _fs, _metadata
+from . import _fs, _metadata, _pack
 from ._commit import Policy
 from ._env import grown_size
 from ._handle import Handle
@@ -28,6 +34,8 @@ from .errors import CacheMismatchError, LmdbCacheError, ReadOnlyCacheError
 __all__ = ["WritePath"]
 
 _KEY = struct.Struct(">Q").pack
+_PKEY = _pack.key
+_TAG = _pack.TAG
 
 
 class WritePath(Handle):
@@ -100,9 +108,12 @@ class WritePath(Handle):
                     written = 0
                     with env.begin(write=True) as txn:
                         self._check_cache_id(txn)
-                        put, db = txn.put, self._samples
-                        for key, value in items:
-                            written += put(key, value, db=db, overwrite=False)
+                        if self._pack:
+                            written = self._put_packed(txn, batch)
+                        else:
+                            put, db = txn.put, self._samples
+                            for key, value in items:
+                                written += put(key, value, db=db, overwrite=False)
                     if durable:
                         env.sync(True)
                     else:
@@ -127,6 +138,49 @@ class WritePath(Handle):
     def _settings(self) -> dict[str, Any]:
         """The build's creation settings, for the unsynced-commits marker."""
         return _metadata.settings(self._meta) if self._meta is not None else {}
+
+    def _put_packed(self, txn: lmdb.Transaction, batch: list[tuple[int, bytes]]) -> int:
+        """Write ``batch`` (sorted) into ``txn``, packing every chunk it completes; return how many indices were new.
+
+        Per chunk touched: nothing if it is packed already (its indices are all present: the first
+        commit wins); else its pack if every index is now present and small, its singles deleted;
+        else the batch's values as singles. The chunk's other indices are looked up one by one,
+        stopping at the first absent one, so an incomplete chunk costs little.
+        """
+        pack, length, db = self._pack, self._length, self._samples
+        get, put, delete = txn.get, txn.put, txn.delete
+        written, at = 0, 0
+        while at < len(batch):
+            first = batch[at][0] - batch[at][0] % pack
+            end = min(first + pack, length)
+            group: dict[int, bytes] = {}
+            while at < len(batch) and batch[at][0] < first + pack:
+                group.setdefault(*batch[at])
+                at += 1
+            if get(_PKEY(first, _TAG), db=db) is not None:
+                continue
+            present: dict[int, bytes] = {}
+            complete = first < end and all(len(v) < _pack.SMALL for v in group.values())
+            for index in range(first, end) if complete else ():
+                old = get(_KEY(index), db=db)
+                if old is not None:
+                    present[index] = bytes(old)  # copied: a write in this transaction may move it
+                elif index not in group:
+                    complete = False
+                    break
+            if complete and all(len(v) < _pack.SMALL for v in present.values()):
+                values = [present[i] if i in present else group[i] for i in range(first, end)]
+                put(_PKEY(first, _TAG), _pack.build(values), db=db)
+                for index in present:
+                    delete(_KEY(index), db=db)
+                written += sum(1 for i in group if i not in present and i < end)
+                for index, value in group.items():  # past the dataset's end: no chunk holds them
+                    if index >= end:
+                        written += put(_KEY(index), value, db=db, overwrite=False)
+            else:
+                for index, value in group.items():
+                    written += put(_KEY(index), value, db=db, overwrite=False)
+        return written
 
     def sync_file(self) -> None:
         """fsync everything committed so far (by any process) and clear the unsynced marker (at close).
@@ -157,14 +211,32 @@ class WritePath(Handle):
             )
 
     def delete(self, keys: Iterable[int]) -> int:
-        """Delete the given indices (used by ``verify --repair``); returns how many existed. Synced: it is rare."""
+        """Delete the given indices (used by ``verify --repair``); returns how many existed. Synced: it is rare.
+
+        An index held in a pack unpacks the rest of its chunk into single records, in the same
+        transaction; a pack whose header is broken is dropped whole (``verify`` reports all its indices).
+        """
         with self._lock:
             env = self._env or self._env_or_open()
             try:
                 with self._write_lock():
                     with env.begin(write=True) as txn:
                         self._check_cache_id(txn)
-                        deleted = sum(txn.delete(_KEY(k), db=self._samples) for k in keys)
+                        db, pack, deleted = self._samples, self._pack, 0
+                        wanted = set(keys)
+                        for k in sorted(wanted):
+                            if txn.delete(_KEY(k), db=db):
+                                deleted += 1
+                            elif pack and (whole := txn.get(_PKEY(first := k - k % pack, _TAG), db=db)) is not None:
+                                n = min(pack, self._length - first)
+                                whole = bytes(whole)
+                                broken = _pack.problem(whole, n) is not None
+                                txn.delete(_PKEY(first, _TAG), db=db)
+                                for index in range(first, first + n):
+                                    if index in wanted or broken:
+                                        deleted += index in wanted
+                                        continue
+                                    txn.put(_KEY(index), _pack.value(whole, index - first, n), db=db)
                     env.sync(True)
                     return deleted
             except lmdb.Error as exc:

@@ -196,6 +196,13 @@ def _precompute_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="samples per commit (default 1024); a commit also happens every second: a kill loses about 1 s of work",
     )
+    p.add_argument(
+        "--pack",
+        type=_int_at_least(0, " (0: one record per sample)"),
+        default=0,
+        metavar="K",
+        help="store each K consecutive samples under 16 KiB as one record (default 0: off; see README 'Packs')",
+    )
 
 
 def _bar(total: int | None, unit: str, quiet: bool, **kwargs: Any) -> Any:
@@ -224,6 +231,7 @@ def _precompute(args: argparse.Namespace) -> int:
         progress=False if args.quiet else None,
         compress=args.compress[0],
         compress_level=args.compress[1],
+        pack=args.pack,
     )
     print(result.summary())
     return 130 if result.interrupted else 0

@@ -109,6 +109,10 @@ class CachedDataset(Dataset[Any]):
             writes them back and at ``close()``; a killed process loses nothing committed,
             and a cache left unsynced by a machine crash is rebuilt when next opened (see
             the README's Durability).
+        pack: store the values of each run of ``pack`` consecutive small samples (under 16 KiB
+            each) as one LMDB record once all of them are cached, so samples of a few KiB do
+            not each take whole 4 KiB pages (see the README's "Packs"). Fixed by the process
+            that creates the cache; 0 (default) stores every sample as its own record.
     """
 
     def __init__(
@@ -129,6 +133,7 @@ class CachedDataset(Dataset[Any]):
         compress: str | None = None,
         compress_level: int | None = None,
         sync: bool = False,
+        pack: int = 0,
     ) -> None:
         check_options(
             map_size=map_size,
@@ -138,6 +143,7 @@ class CachedDataset(Dataset[Any]):
             commit_interval=commit_interval,
             checksum=checksum,
             fingerprint=fingerprint,
+            pack=pack,
         )
         check_compression(compress, compress_level)
         if type(sync) is not bool:
@@ -151,9 +157,9 @@ class CachedDataset(Dataset[Any]):
         self._compression = (compress, compress_level)
         self._policy = Policy(commit_every, parse_size(commit_bytes, "commit_bytes"), commit_interval)
         self._always = checksum == "always"
-        self._open(fingerprint, overwrite, spot_check)
+        self._open(fingerprint, overwrite, spot_check, pack)
 
-    def _open(self, fingerprint: str | None, overwrite: bool, spot_check: int) -> None:
+    def _open(self, fingerprint: str | None, overwrite: bool, spot_check: int, pack: int = 0) -> None:
         """Open (create, check or rebuild) the cache for this dataset; on error nothing stays open."""
         dataset = self.dataset
         length = None if dataset is None else dataset_length(dataset)
@@ -161,7 +167,7 @@ class CachedDataset(Dataset[Any]):
             fingerprint = default_fingerprint(dataset)
         store, meta = _registry.open_store(
             self.path, length=length, fingerprint=fingerprint, overwrite=overwrite, create=dataset is not None,
-            compress=self._compression[0], compress_level=self._compression[1], **self._options,
+            compress=self._compression[0], compress_level=self._compression[1], pack=pack, **self._options,
         )  # fmt: skip
         try:
             self._store: Store | None = store

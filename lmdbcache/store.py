@@ -3,7 +3,9 @@
 A cache directory holds LMDB's ``data.mdb`` and ``lock.mdb`` and our ``lmdbcache.lock``.
 The environment has two named databases: ``meta`` (one record, ``b"meta"``: a msgpack
 map, see ``Store.initialize``) and ``samples`` (key: the index as 8 bytes big-endian, so
-key order is index order; value: one encoded sample, see ``codec``).
+key order is index order; value: one encoded sample, see ``codec``; in a cache created with
+``pack=K``, also the packs of complete chunks of small samples under 9-byte keys that sort
+among them, see ``_pack``).
 
 The metadata record is described in ``_metadata``; the value format in ``codec``.
 
@@ -45,7 +47,7 @@ from typing import Any
 
 import lmdb
 
-from . import _compress, _fs, _metadata
+from . import _compress, _fs, _metadata, _pack
 from ._commit import CommitQueue, Policy
 from ._env import MAX_MAP
 from ._fs import DATA_FILE, LOCK_FILE, WRITE_LOCK
@@ -132,6 +134,7 @@ class Store(ReadPath, WritePath):
         create: bool = True,
         compress: str | None = None,
         compress_level: int | None = None,
+        pack: int = 0,
     ) -> dict[str, Any]:
         """Open the cache, creating it or checking it against the dataset; return its metadata.
 
@@ -140,7 +143,8 @@ class Store(ReadPath, WritePath):
         with; an existing build with another setting is refused, and None takes its own.
         With ``overwrite`` an existing cache is emptied (in place, so other processes keep
         valid handles) or, if it is not a readable lmdbcache cache, its LMDB files are replaced.
-        Files that are not ours are never touched. On error nothing stays open.
+        Files that are not ours are never touched. On error nothing stays open. ``pack``: the
+        chunk size K of packs (``_pack``) in a cache created here (an existing cache keeps its own).
         """
         with self._lock:
             if overwrite:
@@ -155,7 +159,7 @@ class Store(ReadPath, WritePath):
             self._close_env()  # another dataset in this process may have it open: start clean
             previous = self.build
             try:
-                meta, raw = self._initialize(length, fingerprint, overwrite, create, (compress, compress_level))
+                meta, raw = self._initialize(length, fingerprint, overwrite, create, (compress, compress_level), pack)
                 _metadata.check_compression(meta, self.path, compress, compress_level)
                 self._require_codec(meta)
             except BaseException:
@@ -173,12 +177,13 @@ class Store(ReadPath, WritePath):
         overwrite: bool,
         create: bool,
         compress: tuple[str | None, int | None],
+        pack: int = 0,
     ) -> tuple[dict[str, Any], bytes]:
         self._make_dir(create)
         _fs.warn_if_network_fs(self.path)
         if not _fs.writable(self.path):
             return self._open_readonly(length, fingerprint, overwrite)
-        return self._open_writable(length, fingerprint, overwrite, compress)
+        return self._open_writable(length, fingerprint, overwrite, compress, pack)
 
     def _make_dir(self, create: bool) -> None:
         """Refuse a file as the path, or a missing cache when not creating one; create the directory."""
@@ -224,7 +229,12 @@ class Store(ReadPath, WritePath):
         return _metadata.check(found[0], self.path, length, fingerprint), found[1]
 
     def _open_writable(
-        self, length: int | None, fingerprint: str | None, overwrite: bool, compress: tuple[str | None, int | None]
+        self,
+        length: int | None,
+        fingerprint: str | None,
+        overwrite: bool,
+        compress: tuple[str | None, int | None],
+        pack: int = 0,
     ) -> tuple[dict[str, Any], bytes]:
         """Create, check, upgrade or (``overwrite``) rebuild the cache, under the write lock."""
         path = self.path
@@ -243,7 +253,7 @@ class Store(ReadPath, WritePath):
                     LmdbCacheWarning,
                     stacklevel=5,
                 )
-                compress = _kept_settings(path, compress)
+                compress, pack = _kept_settings(path, compress, pack)
                 _fs.remove_lmdb_files(path)
             try:
                 env = self._open_env(readonly=False)
@@ -261,7 +271,7 @@ class Store(ReadPath, WritePath):
                         f"There is no lmdbcache cache at '{path}' to open without a dataset. Build it first "
                         "(`lmdbcache precompute`, or CachedDataset with the source dataset)."
                     )
-                return self._write_meta(env, length, fingerprint or "", *_compress.check(*compress))
+                return self._write_meta(env, length, fingerprint or "", *_compress.check(*compress), pack)
             meta = _metadata.check(found[0], self.path, length, fingerprint)
             if length is not None and meta["format_version"] < FORMAT_VERSION:
                 return self._upgrade_meta(env, meta)  # this process may add values: they are this format's
@@ -274,10 +284,10 @@ class Store(ReadPath, WritePath):
         )
 
     def _write_meta(
-        self, env: lmdb.Environment, length: int, fingerprint: str, codec: str | None, level: int
+        self, env: lmdb.Environment, length: int, fingerprint: str, codec: str | None, level: int, pack: int = 0
     ) -> tuple[dict[str, Any], bytes]:
         """Start a new build: empty the samples and write new metadata, in one transaction."""
-        meta, raw = _metadata.new(length, fingerprint, codec, level)
+        meta, raw = _metadata.new(length, fingerprint, codec, level, pack)
         try:
             with env.begin(write=True) as txn:
                 txn.drop(self._samples, delete=False)
@@ -303,6 +313,10 @@ class Store(ReadPath, WritePath):
     def count(self) -> int:
         """Committed samples, after committing this process's queue."""
         self.flush()
+        with self._lock:
+            self._env or self._env_or_open()
+        if self._pack:  # a pack is one record holding many samples: count the scan's indices
+            return sum(1 for _ in self.iter_keys())
         with self._lock, self._begin_checked(self._env or self._env_or_open()) as txn:
             try:
                 entries = int(txn.stat(self._samples)["entries"])
@@ -397,14 +411,18 @@ class Store(ReadPath, WritePath):
         self._lock.release()
 
 
-def _kept_settings(path: str, compress: tuple[str | None, int | None]) -> tuple[str | None, int | None]:
-    """The compression a rebuild after a crash uses: the one asked for, else the old build's (from its marker)."""
-    if compress[0] is not None:
-        return compress
+def _kept_settings(
+    path: str, compress: tuple[str | None, int | None], pack: int
+) -> tuple[tuple[str | None, int | None], int]:
+    """The compression and packing a rebuild after a crash uses: those asked for, else the old build's (from its
+    marker, ``_fs.marker_settings``: untrusted, each value checked, a bad one ignored)."""
     kept = _fs.marker_settings(path)
-    if kept.get("compress") is None:
-        return compress
-    try:
-        return _compress.check(kept["compress"], kept.get("compress_level"))
-    except InvalidOptionError:
-        return compress  # a damaged marker: what the caller asked for
+    if compress[0] is None and kept.get("compress") is not None:
+        try:
+            compress = _compress.check(kept["compress"], kept.get("compress_level"))
+        except InvalidOptionError:
+            pass  # a damaged marker: what the caller asked for
+    found = kept.get("pack")
+    if not pack and type(found) is int and 0 <= found <= _pack.MAX_PACK:
+        pack = found
+    return compress, pack

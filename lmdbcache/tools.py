@@ -359,6 +359,7 @@ def merge(
         map_size=max(64 << 20, _total_size(shard_paths)),
         compress=codec,
         compress_level=level if codec else None,
+        pack=first.get("pack", 0),  # a new merged cache packs as its first shard does
     )
     if codec is None and _metadata.compression(meta)[0] is not None:
         _registry.release(target)

@@ -161,17 +161,17 @@ def test_foreign_lmdb_environment_is_refused(cache_dir):
     ds.close()
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_golden_caches_still_read(tmp_path, version):
-    """The tiny caches written by formats 1 and 2 (tests/data/golden-v*) decode to exactly their samples."""
+    """The tiny caches written by formats 1 to 3 (tests/data/golden-v*; v3 packed) decode to exactly their samples."""
     copy = tmp_path / "golden"
     copy.mkdir()
     shutil.copy(GOLDEN.parent / f"golden-v{version}" / "data.mdb", copy / "data.mdb")
     ds = CachedDataset.open(copy)
     meta = ds._live_store().meta()
     assert meta["format_version"] == version and meta["fingerprint"] == "golden"
-    assert version < lmdbcache.FORMAT_VERSION or version == lmdbcache.FORMAT_VERSION == 2, (
-        "a new format must keep reading golden-v1 and v2; add a golden directory beside them"
+    assert version < lmdbcache.FORMAT_VERSION or version == lmdbcache.FORMAT_VERSION == 3, (
+        "a new format must keep reading golden-v1 to v3; add a golden directory beside them"
     )
     expected = golden_samples(version)
     assert len(ds) == len(expected) and ds.is_complete
@@ -617,11 +617,12 @@ def test_a_marker_that_is_not_a_file_is_a_clear_error_and_nothing_is_deleted(cac
     reopened.close()
 
 
-def test_a_rebuild_after_a_crash_keeps_the_caches_compression(cache_dir):
-    """The marker carries the build's creation settings, so the rebuild of a torn compressed cache opened the usual
-    way (no compress=) is compressed alike, without reading the torn file (found by the attack)."""
+def test_a_rebuild_after_a_crash_keeps_the_caches_compression_and_packs(cache_dir):
+    """The marker carries the build's creation settings, so the rebuild of a torn compressed, packed cache opened
+    the usual way (no compress=, no pack=) is compressed and packed alike, without reading the torn file (found by
+    the attack)."""
     pytest.importorskip("zstandard")
-    ds = CachedDataset(Listed([(torch.zeros(8000) + i, i) for i in range(6)]), cache_dir, compress="zstd")
+    ds = CachedDataset(Listed([(torch.zeros(8000) + i, i) for i in range(6)]), cache_dir, compress="zstd", pack=4)
     ds.__getitems__(list(range(6)))
     ds.flush()
     written = (cache_dir / _fs.UNSYNCED).read_text()  # as the crash left it: this process never closed
@@ -629,7 +630,8 @@ def test_a_rebuild_after_a_crash_keeps_the_caches_compression(cache_dir):
     (cache_dir / _fs.UNSYNCED).write_text(FOREIGN_BOOT + written.split("\n", 1)[1])
     with pytest.warns(LmdbCacheWarning, match="being rebuilt"):
         rebuilt = CachedDataset(Listed([(torch.zeros(8000) + i, i) for i in range(6)]), cache_dir)
-    assert rebuilt._store.meta()["compress"] == "zstd" and rebuilt.cached_count == 0
+    kept = rebuilt._store.meta()
+    assert (kept["compress"], kept["pack"], rebuilt.cached_count) == ("zstd", 4, 0)
     assert_same(rebuilt[2], (torch.zeros(8000) + 2, 2))
     rebuilt.close()
     (cache_dir / _fs.UNSYNCED).write_text(FOREIGN_BOOT + '{"compress": "rar", "compress_level": [1]}\n')  # damaged

@@ -29,6 +29,8 @@ def golden_samples(version: int | str = 1) -> list[Any]:
             (torch.arange(8192, dtype=torch.int64) % 7, 1),  # flat, one compressed buffer
             {"mask": ramp.reshape(64, 64), "raw": np.arange(10, dtype="<i8"), "t": [torch.zeros(2048)]},
         ]
+    if version == 3:
+        return golden_samples(2)  # golden-v3 is packed (pack=2): the layout changed, not what a value holds
     if isinstance(version, int) and version >= 2:
         padded = np.dtype({"names": ["a", "b"], "formats": ["<u1", "<f8"], "offsets": [0, 8], "itemsize": 24})
         records = np.zeros(2, dtype=padded)  # zeros: the padding bytes are stored too
@@ -56,7 +58,8 @@ def write_golden(out: Path, version: int | str, compress: str | None = None) -> 
     import lmdbcache
 
     samples = golden_samples(version)  # a list is a map-style dataset
-    with lmdbcache.CachedDataset(samples, out, fingerprint="golden", map_size=1 << 20, compress=compress) as ds:
+    pack = {"pack": 2} if version == 3 else {}  # golden-v3: packs of 2 (the last chunk holds one sample)
+    with lmdbcache.CachedDataset(samples, out, fingerprint="golden", map_size=1 << 20, compress=compress, **pack) as ds:
         ds.__getitems__(list(range(len(ds))))
     for name in ("lock.mdb", "lmdbcache.lock"):
         (out / name).unlink(missing_ok=True)
