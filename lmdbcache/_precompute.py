@@ -114,7 +114,7 @@ def precompute(
     progress: bool | None = None,
     compress: str | None = None,
     compress_level: int | None = None,
-    pack: int = 0,
+    pack: int = 64,
 ) -> PrecomputeResult:
     """Decode every index of ``dataset`` (or of one shard) into the cache at ``path``.
 
@@ -127,7 +127,10 @@ def precompute(
     Before writing, ``check_determinism`` indices are decoded twice; if the two samples
     differ (random augmentation inside the dataset would be frozen into the cache) this
     raises ``NondeterministicDatasetError`` unless ``allow_nondeterministic``. ``pack``: as
-    ``CachedDataset``'s, for a cache created here.
+    ``CachedDataset``'s, for a cache created here, but 64 by default: precompute writes whole
+    chunks in index order, the case packs are made for (small samples take 1.02-1.13x their
+    bytes on disk instead of 1.34-2x; samples of 16 KiB or more are never packed). Pass 0 for
+    one record per sample.
 
     Raises ``SourceItemError`` naming the index when the dataset raises (what was written
     is kept). Ctrl-C commits what was decoded, stops the workers and returns with

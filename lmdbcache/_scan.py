@@ -116,6 +116,17 @@ def _scan(path: str, repair: bool, report: _Report) -> tuple[int, int]:
                 ],
             )
             return tally.checked, 0
+        stray = store.keys_before_start()  # a packed cache counts indices, so the check above cannot see them
+        if stray:
+            report.send(
+                "u",
+                [
+                    None,
+                    f"it holds {stray}{'+' if stray >= 1000 else ''} keys that sort before index 0, out of the scan's "
+                    "reach. Copy the cache from a good replica, or rebuild it (`lmdbcache precompute --overwrite`).",
+                ],
+            )
+            return tally.checked, 0
         return tally.checked, _delete(store, tally.bad, report) if repair and tally.bad else 0
 
 

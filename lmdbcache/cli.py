@@ -199,9 +199,10 @@ def _precompute_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pack",
         type=_int_at_least(0, " (0: one record per sample)"),
-        default=0,
+        default=64,
         metavar="K",
-        help="store each K consecutive samples under 16 KiB as one record (default 0: off; see README 'Packs')",
+        help="store each K consecutive samples under 16 KiB as one record in a new cache (default 64; 0: one "
+        "record per sample; see README 'Packs')",
     )
 
 

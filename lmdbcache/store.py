@@ -67,6 +67,8 @@ from .errors import (
 
 __all__ = ["DATA_FILE", "LOCK_FILE", "MISSING", "WRITE_LOCK", "Store"]
 
+_FIRST_KEY = bytes(8)  # index 0's key: every key of a sound cache sorts at or after it
+
 
 class Store(ReadPath, WritePath):
     """One process's handle on a cache directory (see the module docstring).
@@ -329,6 +331,20 @@ class Store(ReadPath, WritePath):
                 f"{self._meta['length']:,}. {REBUILD}"
             )
         return entries
+
+    def keys_before_start(self, limit: int = 1000) -> int:
+        """How many keys sort before index 0's (at most ``limit``): none in a sound cache; out of a scan's reach."""
+        with self._lock, self._begin_checked(self._env or self._env_or_open()) as txn:
+            try:
+                cursor, found = txn.cursor(db=self._samples), 0
+                if cursor.first():
+                    for key in cursor.iternext(values=False):
+                        if bytes(key) >= _FIRST_KEY or found >= limit:
+                            break
+                        found += 1
+            except lmdb.Error as exc:
+                raise translate(exc, self.path, "scanning the keys of") from exc
+        return found
 
     def meta(self) -> dict[str, Any]:
         """A copy of the metadata record of the build this process adopted."""

@@ -49,7 +49,7 @@ def crashing_cache(path: Path, after: int = 6) -> None:
 
     LMDB trusts the node offsets in a page: reading that key runs off the end of the file (SIGBUS).
     """
-    precompute(Synthetic(20), path, num_workers=0, check_determinism=0, progress=False)
+    precompute(Synthetic(20), path, num_workers=0, check_determinism=0, progress=False, pack=0)  # one leaf node each
     data = bytearray((path / "data.mdb").read_bytes())
     node = b"\x00\x00\x08\x00" + struct.pack(">Q", after + 1)  # a leaf node's flags (0), key size (8), key
     at, patched = data.find(node), 0
@@ -121,7 +121,7 @@ def test_verify_reports_where_a_killed_reader_died(cache_dir, monkeypatch):
 
 def test_verify_binds_each_value_to_its_index(cache_dir):
     """A sound value stored under another index, or an index outside the dataset, is damage; --repair deletes it."""
-    cli("precompute", SPEC, str(cache_dir), "--arg", "n=20", "--quiet")
+    cli("precompute", SPEC, str(cache_dir), "--arg", "n=20", "--quiet", "--pack", "0")  # single records, damaged below
     damage_entries(cache_dir, lambda txn: (txn.put(key(4), txn.get(key(3))), txn.put(key(25), txn.get(key(5)))))
     assert "2 damaged: 4, 25." in cli("verify", str(cache_dir), "--quiet", check=1).stdout
     assert "deleted 2 damaged (4, 25)" in cli("verify", str(cache_dir), "--repair", "--quiet").stdout
@@ -130,7 +130,7 @@ def test_verify_binds_each_value_to_its_index(cache_dir):
 
 def test_verify_stops_at_a_key_that_is_not_an_index(cache_dir):
     """A key that is not 8 bytes is damage verify reports (with what came before), not an error; nothing is deleted."""
-    cli("precompute", SPEC, str(cache_dir), "--arg", "n=20", "--quiet")
+    cli("precompute", SPEC, str(cache_dir), "--arg", "n=20", "--quiet", "--pack", "0")  # single records, damaged below
     between = key(9) + b"!"  # sorts between the keys of indices 9 and 10: a scan must not step over it
     damage_entries(cache_dir, lambda txn: (txn.put(key(4), txn.get(key(3))), txn.put(between, b"hostile")))
     result = cli("verify", str(cache_dir), "--repair", "--quiet", check=1)
@@ -139,10 +139,15 @@ def test_verify_stops_at_a_key_that_is_not_an_index(cache_dir):
     assert out.startswith("damaged: the scan cannot read past index 9 (after 9 good entries):"), out
     assert "key of 9 bytes" in out and "nothing was deleted" in out and out.endswith("before it: 4.")
     first = cache_dir.parent / "first"  # a key that sorts before index 0, out of reach of a scan by index
-    cli("precompute", SPEC, str(first), "--arg", "n=20", "--shard", "0/2", "--quiet")
+    cli("precompute", SPEC, str(first), "--arg", "n=20", "--shard", "0/2", "--quiet", "--pack", "0")
     damage_entries(first, lambda txn: txn.put(b"\x00", b"hostile"))
     out = cli("verify", str(first), "--quiet", check=1).stdout
     assert out.startswith("damaged: after 10 good entries, it held 11 entries when the scan began but only 10"), out
+    packed = cache_dir.parent / "packed"  # packed (precompute's default): the count is of indices, not of keys
+    cli("precompute", SPEC, str(packed), "--arg", "n=20", "--quiet")
+    damage_entries(packed, lambda txn: txn.put(b"\x00", b"hostile"))
+    out = cli("verify", str(packed), "--quiet", check=1).stdout
+    assert "it holds 1 keys that sort before index 0" in out, out
 
 
 # ---------------------------------------------------------------------- copy touches only the cache's files
@@ -278,7 +283,7 @@ def test_merge_refuses_a_shard_twice_or_the_output_as_a_shard(tmp_path):
 def test_merge_verifies_each_value_against_its_index(tmp_path):
     """A shard value stored under another index stops merge with one line naming the shard and the index."""
     a = tmp_path / "a"
-    cli("precompute", SPEC, str(a), "--arg", "n=30", "--quiet")
+    cli("precompute", SPEC, str(a), "--arg", "n=30", "--quiet", "--pack", "0")  # single records, damaged below
     damage_entries(a, lambda txn: txn.put(key(6), txn.get(key(2))))
     line = one_line_error(cli("merge", str(tmp_path / "out"), str(a), "--quiet", check=1))
     assert f"Shard '{a}': index 6 is damaged" in line and "verify --repair" in line
