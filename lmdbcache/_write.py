@@ -135,6 +135,26 @@ class WritePath(Handle):
                     ) from exc
         raise LmdbCacheError(f"Cache '{self.path}': could not make room for {need} bytes after 64 map growths.")
 
+    def _delete_in(self, env: lmdb.Environment, wanted: set[int]) -> int:
+        """One transaction of ``delete``: the indices of ``wanted`` gone, their chunks unpacked; how many existed."""
+        with env.begin(write=True) as txn:
+            self._check_cache_id(txn)
+            db, pack, deleted = self._samples, self._pack, 0
+            for k in sorted(wanted):
+                if txn.delete(_KEY(k), db=db):
+                    deleted += 1
+                elif pack and (whole := txn.get(_PKEY(first := k - k % pack, _TAG), db=db)) is not None:
+                    n = min(pack, self._length - first)
+                    whole = bytes(whole)
+                    broken = _pack.problem(whole, n) is not None
+                    txn.delete(_PKEY(first, _TAG), db=db)
+                    for index in range(first, first + n):
+                        if index in wanted or broken:
+                            deleted += index in wanted
+                            continue
+                        txn.put(_KEY(index), _pack.value(whole, index - first, n), db=db)
+        return deleted
+
     def _settings(self) -> dict[str, Any]:
         """The build's creation settings, for the unsynced-commits marker."""
         return _metadata.settings(self._meta) if self._meta is not None else {}
@@ -216,28 +236,22 @@ class WritePath(Handle):
         An index held in a pack unpacks the rest of its chunk into single records, in the same
         transaction; a pack whose header is broken is dropped whole (``verify`` reports all its indices).
         """
+        wanted = set(keys)
         with self._lock:
             env = self._env or self._env_or_open()
             try:
                 with self._write_lock():
-                    with env.begin(write=True) as txn:
-                        self._check_cache_id(txn)
-                        db, pack, deleted = self._samples, self._pack, 0
-                        wanted = set(keys)
-                        for k in sorted(wanted):
-                            if txn.delete(_KEY(k), db=db):
-                                deleted += 1
-                            elif pack and (whole := txn.get(_PKEY(first := k - k % pack, _TAG), db=db)) is not None:
-                                n = min(pack, self._length - first)
-                                whole = bytes(whole)
-                                broken = _pack.problem(whole, n) is not None
-                                txn.delete(_PKEY(first, _TAG), db=db)
-                                for index in range(first, first + n):
-                                    if index in wanted or broken:
-                                        deleted += index in wanted
-                                        continue
-                                    txn.put(_KEY(index), _pack.value(whole, index - first, n), db=db)
-                    env.sync(True)
-                    return deleted
+                    for _ in range(64):
+                        try:
+                            deleted = self._delete_in(env, wanted)
+                        except lmdb.MapFullError:  # unpacking a chunk: its values take single pages again
+                            self._set_mapsize(env, grown_size(env, 16 * _pack.SMALL * max(self._pack, 1)))
+                            continue
+                        except lmdb.MapResizedError:  # another process grew the map
+                            self._set_mapsize(env, 0)
+                            continue
+                        env.sync(True)
+                        return deleted
+                    raise LmdbCacheError(f"Cache '{self.path}': no room to unpack after 64 map growths.")
             except lmdb.Error as exc:
                 raise write_failure(exc, self.path, "nothing was deleted") from exc

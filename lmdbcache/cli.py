@@ -280,6 +280,7 @@ def _info(args: argparse.Namespace) -> int:
     print(f"format       {data.format_version} (written by lmdbcache {data.library_version})")
     print(f"size         {data.size_bytes / 2**20:,.1f} MB on disk, map {data.map_size / 2**20:,.0f} MB")
     print(f"compress     {data.compress or 'none'}")
+    print(f"pack         {data.pack or 'none'}")
     print(f"created      {data.created}")
     return 0
 

@@ -51,6 +51,7 @@ class CacheInfo:
     size_bytes: int
     map_size: int
     compress: str | None = None  # "zstd:3", "lz4:0" or None: what the build compresses buffers with
+    pack: int = 0  # K: complete chunks of K small samples are stored as one record (0: one record per sample)
 
     # Deprecated: ``info`` returned a dict before it returned this, and ``info(path)["cached"]``
     # (or ``.get``) keeps working for code written then. Use the attributes.
@@ -83,6 +84,7 @@ def info(path: str | os.PathLike[str]) -> CacheInfo:
         size_bytes=os.path.getsize(os.path.join(store.path, DATA_FILE)),
         map_size=env_info["map_size"],
         compress=_compression_label(meta),
+        pack=int(meta.get("pack", 0)),
     )
 
 

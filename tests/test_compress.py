@@ -180,7 +180,7 @@ def test_merge_and_copy_keep_the_compression_setting(tmp_path):
     """merge builds its destination with the shards' setting and copies values as they are; so does copy."""
     n = 24
     for shard in range(2):
-        precompute(Compressible(n), tmp_path / f"s{shard}", shard=(shard, 2), num_workers=0, compress="lz4")
+        precompute(Compressible(n), tmp_path / f"s{shard}", shard=(shard, 2), num_workers=0, compress="lz4", pack=0)
     tools.merge(tmp_path / "merged", [tmp_path / "s0", tmp_path / "s1"])
     tools.copy_cache(tmp_path / "merged", tmp_path / "copy")
     for path in ("merged", "copy"):

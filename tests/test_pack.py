@@ -232,7 +232,8 @@ def test_merge_and_copy_keep_packs(tmp_path):
     assert merged.complete and layout(tmp_path / "out") == ([], list(range(0, 50, 8)))
     tools.copy_cache(tmp_path / "out", tmp_path / "copy")
     assert layout(tmp_path / "copy") == ([], list(range(0, 50, 8)))
-    assert tools.info(tmp_path / "copy").cached == 50
+    assert (tools.info(tmp_path / "copy").cached, tools.info(tmp_path / "copy").pack) == (50, 8)
+    assert "pack         8" in cli("info", str(tmp_path / "copy")).stdout
     check_cache(tmp_path / "out", 50)
     check_cache(tmp_path / "copy", 50)
 
@@ -303,3 +304,28 @@ def test_packs_hold_compressed_values(cache_dir):
     for i in range(20):
         assert_same(reader[i], samples[i])
     reader.close()
+
+
+def test_repair_grows_the_map_to_unpack_chunks_of_a_compacted_copy(tmp_path):
+    """A compacted copy's map is about its file's size; repairing a value in each of many packs unpacks their
+    chunks into single records, which need more room: the repair grows the map (found by the attack: it failed
+    with MDB_MAP_FULL and repaired nothing)."""
+    n, k = 64 * 200, 64  # file (~38 MB) + unpacked chunks (~51 MB) > the 64 MiB map a reopen gives
+    samples = [
+        torch.randint(0, 256, (3000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i)) for i in range(n)
+    ]
+    precompute(
+        Listed([(s, i) for i, s in enumerate(samples)]), tmp_path / "built", num_workers=0, progress=False, pack=k
+    )
+    tools.copy_cache(tmp_path / "built", tmp_path / "copy")
+    data_file = tmp_path / "copy" / "data.mdb"
+    data = bytearray(data_file.read_bytes())
+    for first in range(0, n, k):  # one value of every pack
+        at = data.find(bytes(samples[first + 5].tolist()))
+        assert at > 0
+        data[at + 10] ^= 0xFF
+    data_file.write_bytes(bytes(data))
+    repaired = tools.verify(tmp_path / "copy", repair=True)
+    assert len(repaired.bad) == n // k and repaired.repaired == n // k
+    after = tools.verify(tmp_path / "copy")
+    assert after.intact and after.checked == n - n // k
