@@ -33,7 +33,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-__all__ = ["MAGIC", "MAX_PACK", "SMALL", "build", "first_of", "key", "problem", "span", "value"]
+__all__ = ["MAGIC", "MAX_PACK", "SMALL", "build", "first_of", "header_size", "key", "problem", "span", "value"]
 
 MAGIC = b"LMPK"
 # Bytes: a value this large or larger is never packed (see the module docstring). Equal to
@@ -92,6 +92,11 @@ def value(raw: bytes | memoryview, j: int, n: int) -> bytes | memoryview:
     if isinstance(found, str):
         raise ValueError(found)
     return raw[found[0] : found[1]]
+
+
+def header_size(n: int) -> int:
+    """The bytes of a pack's header for ``n`` values: magic, count, then a (start, end) pair per value."""
+    return _HEAD.size + _PAIR.size * n
 
 
 def problem(raw: bytes | memoryview, n: int) -> str | None:
