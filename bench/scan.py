@@ -24,23 +24,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.utils.data import Dataset
-
+from bench.transform import Images
 from lmdbcache import CachedDataset, tools
 from lmdbcache.store import Store
-
-
-class Images(Dataset[tuple[torch.Tensor, int]]):
-    def __init__(self, n: int, shape: tuple[int, ...]) -> None:
-        self.n, self.shape = n, shape
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        g = torch.Generator().manual_seed(i)
-        return torch.randint(0, 255, self.shape, dtype=torch.uint8, generator=g), i
 
 
 def evict(path: str) -> None:

@@ -20,6 +20,14 @@ def children() -> set[int]:
     return {p.pid for p in multiprocessing.active_children()}
 
 
+def assert_no_children_after(before: set[int]) -> None:
+    """Every child process started since ``before`` ends within 10 s."""
+    deadline = time.monotonic() + 10
+    while children() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not children() - before
+
+
 def transformed(cache_dir, n=40, transform=random_transform):
     warm(CachedDataset(Synthetic(n), cache_dir)).close()
     return CachedDataset.open(cache_dir, transform=transform)
@@ -41,10 +49,7 @@ def test_worker_processes_give_the_thread_paths_batches(cache_dir, context):
     same(runs[0], runs[1])
     labels = torch.cat([b[1] for b in runs[1][0]]) // 1000
     assert sorted(labels.tolist()) == list(range(40))
-    deadline = time.monotonic() + 10
-    while children() - before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not children() - before
+    assert_no_children_after(before)
 
 
 def test_without_a_transform_workers_give_dataloaders_batches(cache_dir):
@@ -87,10 +92,7 @@ def test_a_transform_error_in_a_worker_reaches_the_consumer_with_its_index(cache
     assert "batch 3" in " ".join(getattr(info.value, "__notes__", []))
     loader.close()
     loader.close()
-    deadline = time.monotonic() + 10
-    while children() - before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not children() - before
+    assert_no_children_after(before)
 
 
 def test_close_from_another_thread_ends_a_worker_pass_clearly(cache_dir):
@@ -104,10 +106,7 @@ def test_close_from_another_thread_ends_a_worker_pass_clearly(cache_dir):
                 closer = threading.Thread(target=loader.close)
                 closer.start()
                 closer.join()
-    deadline = time.monotonic() + 10
-    while children() - before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not children() - before
+    assert_no_children_after(before)
 
 
 def test_worker_count_is_automatic_or_checked(cache_dir):
