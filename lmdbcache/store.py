@@ -317,8 +317,8 @@ class Store(ReadPath, WritePath):
         self.flush()
         with self._lock:
             self._env or self._env_or_open()
-        if self._pack:  # a pack is one record holding many samples: count the scan's indices
-            return sum(1 for _ in self.iter_keys())
+        if self._pack:  # a pack is one record holding many samples
+            return self._count_packed()
         with self._lock, self._begin_checked(self._env or self._env_or_open()) as txn:
             try:
                 entries = int(txn.stat(self._samples)["entries"])
@@ -331,6 +331,28 @@ class Store(ReadPath, WritePath):
                 f"{self._meta['length']:,}. {REBUILD}"
             )
         return entries
+
+    def _count_packed(self) -> int:
+        """Samples of a packed cache: a walk over its keys only (a pack's count comes from its key and the length).
+
+        Keys that sort before index 0 are left to ``keys_before_start`` (verify reports them);
+        any other key that is neither an index nor a pack's is ``CorruptCacheError``.
+        """
+        with self._lock, self._begin_checked(self._env or self._env_or_open()) as txn:
+            try:
+                cursor, total = txn.cursor(db=self._samples), 0
+                if cursor.set_range(_FIRST_KEY):
+                    for key in cursor.iternext(values=False):
+                        total += 1 if len(key) == 8 else self._pack_key(key)[1]
+            except lmdb.Error as exc:
+                raise translate(exc, self.path, "counting the samples of") from exc
+        assert self._meta is not None
+        if total > self._meta["length"]:
+            raise CorruptCacheError(
+                f"Cache '{self.path}' is damaged: it counts {total:,} samples in a cache of length "
+                f"{self._meta['length']:,}. {REBUILD}"
+            )
+        return total
 
     def keys_before_start(self, limit: int = 1000) -> int:
         """How many keys sort before index 0's (at most ``limit``): none in a sound cache; out of a scan's reach."""
