@@ -315,43 +315,27 @@ class Store(ReadPath, WritePath):
     def count(self) -> int:
         """Committed samples, after committing this process's queue."""
         self.flush()
-        with self._lock:
-            self._env or self._env_or_open()
-        if self._pack:  # a pack is one record holding many samples
-            return self._count_packed()
         with self._lock, self._begin_checked(self._env or self._env_or_open()) as txn:
             try:
-                entries = int(txn.stat(self._samples)["entries"])
+                # A pack is one record holding many samples: its count comes from its key and the length.
+                count = self._count_packed(txn) if self._pack else int(txn.stat(self._samples)["entries"])
             except lmdb.Error as exc:
                 raise translate(exc, self.path, "counting the samples of") from exc
         assert self._meta is not None
-        if entries > self._meta["length"]:
+        if count > self._meta["length"]:
             raise CorruptCacheError(
-                f"Cache '{self.path}' is damaged: LMDB counts {entries:,} samples in a cache of length "
+                f"Cache '{self.path}' is damaged: it counts {count:,} samples in a cache of length "
                 f"{self._meta['length']:,}. {REBUILD}"
             )
-        return entries
+        return count
 
-    def _count_packed(self) -> int:
-        """Samples of a packed cache: a walk over its keys only (a pack's count comes from its key and the length).
-
-        Keys that sort before index 0 are left to ``keys_before_start`` (verify reports them);
-        any other key that is neither an index nor a pack's is ``CorruptCacheError``.
-        """
-        with self._lock, self._begin_checked(self._env or self._env_or_open()) as txn:
-            try:
-                cursor, total = txn.cursor(db=self._samples), 0
-                if cursor.set_range(_FIRST_KEY):
-                    for key in cursor.iternext(values=False):
-                        total += 1 if len(key) == 8 else self._pack_key(key)[1]
-            except lmdb.Error as exc:
-                raise translate(exc, self.path, "counting the samples of") from exc
-        assert self._meta is not None
-        if total > self._meta["length"]:
-            raise CorruptCacheError(
-                f"Cache '{self.path}' is damaged: it counts {total:,} samples in a cache of length "
-                f"{self._meta['length']:,}. {REBUILD}"
-            )
+    def _count_packed(self, txn: lmdb.Transaction) -> int:
+        """A walk over the keys only. Keys that sort before index 0 are left to ``keys_before_start`` (verify
+        reports them); any other key that is neither an index nor a pack's is ``CorruptCacheError``."""
+        cursor, total = txn.cursor(db=self._samples), 0
+        if cursor.set_range(_FIRST_KEY):
+            for key in cursor.iternext(values=False):
+                total += 1 if len(key) == 8 else self._pack_key(key)[1]
         return total
 
     def keys_before_start(self, limit: int = 1000) -> int:

@@ -597,17 +597,21 @@ def test_sampler_indices_are_resolved_as_dataloader_does(cache_dir):
     ds.close()
 
 
-def test_close_from_another_thread_ends_the_pass_with_a_clear_error(cache_dir):
-    """close() from another thread mid-pass ends the consumer's loop with 'was closed', and leaves no thread."""
-    ds = warm(CachedDataset(Synthetic(400), cache_dir))
-    before = set(threading.enumerate())
-    loader = ds.loader(2, prefetch=1)
+def close_mid_pass(loader, at: int = 2) -> None:
+    """Iterate ``loader`` and close it from another thread at batch ``at``: the pass ends with 'was closed'."""
     with pytest.raises(RuntimeError, match="was closed while this pass was running"):
         for k, _ in enumerate(loader):
-            if k == 2:
+            if k == at:
                 closer = threading.Thread(target=loader.close)
                 closer.start()
                 closer.join()
             time.sleep(0.001)
+
+
+def test_close_from_another_thread_ends_the_pass_with_a_clear_error(cache_dir):
+    """close() from another thread mid-pass ends the consumer's loop with 'was closed', and leaves no thread."""
+    ds = warm(CachedDataset(Synthetic(400), cache_dir))
+    before = set(threading.enumerate())
+    close_mid_pass(ds.loader(2, prefetch=1))
     assert set(threading.enumerate()) <= before
     ds.close()
