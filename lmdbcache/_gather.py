@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import xxhash
 
+from ._address import address as _address
 from ._decode import flat_plan
 from ._format import HEAD_AND_FLAT, MAGIC
 from .errors import CorruptSampleError
@@ -63,6 +64,8 @@ class Layout:
         for nbytes, carrier, shape, view in tensors:
             self.tensors.append((pos, nbytes, carrier, shape, view))
             pos += nbytes
+        if pos != self.value_size:  # fill() copies [pos, pos + nbytes) of a value of value_size bytes by address
+            raise CorruptSampleError(f"the flat plan's fields end at byte {pos}, not at the value's {self.value_size}")
         offsets, at = [], 0
         for code in codes:
             offsets.append((at, code))
@@ -187,7 +190,7 @@ class Buffers:
             for (pos, nbytes, _, _, _), flat, address in fields:
                 row = j * nbytes
                 if nbytes >= _BIG:
-                    _memmove(address + row, np.frombuffer(mv, np.uint8, nbytes, pos).ctypes.data, nbytes)
+                    _memmove(address + row, _address(mv) + pos, nbytes)  # within mv: len(mv) == value_size above
                 else:
                     flat[row : row + nbytes] = mv[pos : pos + nbytes]
                 if check:

@@ -36,7 +36,7 @@ import struct
 import sys
 from typing import Any
 
-import numpy as np
+from ._address import address as _address
 
 __all__ = ["MapGuard"]
 
@@ -44,8 +44,8 @@ _NODE = struct.Struct("<HHHH")
 _PGNO = struct.Struct("<Q")
 _F_BIGDATA = 0x01
 _PAGE_HEADER = 16
-_string_at = ctypes.string_at
-_frombuffer = np.frombuffer
+_node = _NODE.unpack_from
+_pgno = _PGNO.unpack_from
 _LITTLE = sys.byteorder == "little"
 PREFETCH_MIN = 16384  # bytes: a value of a few pages gains little from one I/O over its faults
 _MADV_RANDOM, _MADV_SEQUENTIAL, _MADV_WILLNEED = 1, 2, 3  # Linux, the BSDs and macOS alike
@@ -72,6 +72,9 @@ class MapGuard:
         self.page_size = page_size
         self.start = 0  # the mapping's address, 0 when unknown
         self.file_size = 0
+        # (start, file_size, a view of the file's bytes in the map): swapped as one, so a thread checking a
+        # record while another refreshes sees one mapping's figures, never a mix
+        self._mapped: tuple[int, int, memoryview] = (0, 0, memoryview(b""))
         self.refresh()
 
     def refresh(self) -> None:
@@ -86,6 +89,7 @@ class MapGuard:
                 lines = f.read().splitlines()
         except OSError:
             self.start = 0
+            self._mapped = (0, 0, memoryview(b""))
             return
         start = 0
         for line in lines:
@@ -99,10 +103,13 @@ class MapGuard:
             if inode == st.st_ino and os.path.realpath(fields[5]) == os.path.realpath(self.data_file):
                 start = int(fields[0].split("-")[0], 16)
                 break
+        size = st.st_size
+        view = memoryview((ctypes.c_char * size).from_address(start)).cast("B") if start and size else memoryview(b"")
+        self._mapped = (start, size, view)
         if start and start == self.start:
-            self.file_size = st.st_size
+            self.file_size = size
         else:
-            self.start, self.file_size = start, st.st_size
+            self.start, self.file_size = start, size
 
     def problem(self, key: bytes | memoryview, prefetch: bool = True) -> str | None:
         """Why the record whose key (a view into the map) is ``key`` cannot be read safely, or None.
@@ -127,14 +134,14 @@ class MapGuard:
         """
         if _madvise is None or not self.start:
             return
-        address = _frombuffer(key, np.uint8).ctypes.data
-        if not self.start + self.page_size <= address - 8 < self.start + self.file_size:
+        start, end, view = self._mapped
+        offset = _address(key) - start - 8  # the record's node header, in the file
+        if not self.page_size <= offset <= end - 16:
             return
-        lo, hi, flags, ksize = _NODE.unpack(_string_at(address - 8, 8))
+        lo, hi, flags, ksize = _node(view, offset)
         size = lo | hi << 16
-        if flags & _F_BIGDATA and size >= PREFETCH_MIN and address + ksize + 8 <= self.start + self.file_size:
-            pgno = _PGNO.unpack(_string_at(address + ksize, 8))[0]
-            self._advise(pgno * self.page_size + _PAGE_HEADER, size)
+        if flags & _F_BIGDATA and size >= PREFETCH_MIN and offset + 16 + ksize <= end:
+            self._advise(_pgno(view, offset + 8 + ksize)[0] * self.page_size + _PAGE_HEADER, size)
 
     def sequential(self, on: bool) -> None:
         """Read the map ahead (``MADV_SEQUENTIAL``) while a scan walks it, or back to LMDB's no-readahead advice.
@@ -154,25 +161,22 @@ class MapGuard:
             _madvise(self.start + page, min(size + offset - page, self.file_size - page), _MADV_WILLNEED)
 
     def _check(self, key: bytes | memoryview, prefetch: bool = False) -> str | None:
-        start, end = self.start, self.start + self.file_size
-        address = _frombuffer(key, np.uint8).ctypes.data
-        if not start + self.page_size <= address - 8 < end:
-            return f"its key lies outside the data file (offset {address - start})"
-        lo, hi, flags, ksize = _NODE.unpack(_string_at(address - 8, 8))
+        start, end, view = self._mapped
+        offset = _address(key) - start - 8  # the record's node header, in the file
+        if not self.page_size <= offset <= end - 8:
+            return f"its key lies outside the data file (offset {offset + 8})"
+        lo, hi, flags, ksize = _node(view, offset)
         size = lo | hi << 16
-        data = address + ksize
+        data = offset + 8 + ksize
         if flags & _F_BIGDATA:
             if data + 8 > end:
                 return "its overflow page number lies past the end of the data file"
-            pgno = _PGNO.unpack(_string_at(data, 8))[0]
-            offset = pgno * self.page_size + _PAGE_HEADER
-            if pgno < 2 or offset + size > self.file_size:
-                return (
-                    f"its {size:,}-byte value on page {pgno} would run past the end of the data file "
-                    f"({self.file_size:,} bytes)"
-                )
+            pgno = _pgno(view, data)[0]
+            at = pgno * self.page_size + _PAGE_HEADER
+            if pgno < 2 or at + size > end:
+                return f"its {size:,}-byte value on page {pgno} would run past the end of the data file ({end:,} bytes)"
             if prefetch and size >= PREFETCH_MIN:
-                self._advise(offset, size)
+                self._advise(at, size)
         elif data + size > end:
-            return f"its {size:,}-byte value would run past the end of the data file ({self.file_size:,} bytes)"
+            return f"its {size:,}-byte value would run past the end of the data file ({end:,} bytes)"
         return None

@@ -637,3 +637,37 @@ def test_a_rebuild_after_a_crash_keeps_the_caches_compression_and_packs(cache_di
     (cache_dir / _fs.UNSYNCED).write_text(FOREIGN_BOOT + '{"compress": "rar", "compress_level": [1]}\n')  # damaged
     with pytest.warns(LmdbCacheWarning, match="being rebuilt"):
         CachedDataset(Listed([(torch.zeros(8000) + i, i) for i in range(6)]), cache_dir).close()
+
+
+def test_buffer_addresses_are_right_in_every_thread(cache_dir):
+    """_address.address (the guard's and the gather's) gives numpy's address for map views, bytes and slices, with
+    four threads asking at once (each has its own Py_buffer)."""
+    import threading
+
+    import numpy as np
+
+    from lmdbcache._address import _numpy_address, address
+
+    _big_cache(cache_dir, 4)
+    failures = []
+    with _registry.opened(str(cache_dir)) as store:
+        store.meta()
+        txn = store._reader()
+        views = [txn.get(key(i)) for i in range(4)] + [memoryview(b"x" * 100)[7:], bytearray(b"abc")]
+        expected = [int(np.frombuffer(view, np.uint8).ctypes.data) for view in views]
+
+        def ask() -> None:
+            for _ in range(2000):
+                failures.extend(k for k, view in enumerate(views) if address(view) != expected[k])
+
+        threads = [threading.Thread(target=ask) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert address(views[0]) == _numpy_address(views[0])
+        store._drop_reader()
+    assert failures == []
+    assert isinstance(address(b""), int)
+    with pytest.raises(TypeError):
+        address(5)
