@@ -141,7 +141,14 @@ class ReadPath(Handle):
         pack = self._pack
         if pack:
             first = index - index % pack
-            whole = self._record(txn, _PKEY(first, _TAG), index)
+            kept = txn is self._rtxn
+            # A pack this transaction returned before was bounds-checked then (or touched whole by a plain
+            # get without harm): a fresh process's first pass checks each pack once, not once per index.
+            whole = self._packs.get(first) if kept else None
+            if whole is None:
+                whole = self._record(txn, _PKEY(first, _TAG), index)
+                if whole is not None and kept and len(self._packs) < _PACKS_KEPT:
+                    self._packs[first] = whole
             if whole is not None:
                 return self._slice(whole, index, first)
         return self._record(txn, _KEY(index), index)

@@ -329,3 +329,27 @@ def test_repair_grows_the_map_to_unpack_chunks_of_a_compacted_copy(tmp_path):
     assert len(repaired.bad) == n // k and repaired.repaired == n // k
     after = tools.verify(tmp_path / "copy")
     assert after.intact and after.checked == n - n // k
+
+
+def test_a_fresh_pass_checks_each_packs_record_once_and_every_span(cache_dir, monkeypatch):
+    """A fresh process's first pass over a packed chunk bounds-checks the pack's record once per read transaction
+    (not once per index), and still checks each index's span: a broken span is found on that index's first read."""
+    from lmdbcache import _guard
+
+    precompute(Synthetic(16), cache_dir, num_workers=0, progress=False, pack=8, check_determinism=0)
+    _edit_pack(cache_dir, 8, _pair(5, 8, 1 << 30))  # index 13's span runs off the pack
+    checks = []
+    real = _guard.MapGuard._check
+    monkeypatch.setattr(_guard.MapGuard, "_check", lambda self, *a, **k: checks.append(1) or real(self, *a, **k))
+    ds = CachedDataset.open(cache_dir)
+    ds[0]  # the kept read transaction begins
+    checks.clear()
+    for i in range(1, 8):
+        assert_same(ds[i], sample_for(i))
+    assert len(checks) == 0  # the pack of 0..7 was checked by ds[0], in this transaction
+    for i in (8, 9, 10, 11, 12):
+        assert_same(ds[i], sample_for(i))
+    assert len(checks) == 1
+    with pytest.raises(CorruptCacheError, match=r"pack holding index 13 .* spans bytes 8 to 1073741824"):
+        ds[13]
+    ds.close()
