@@ -14,6 +14,9 @@ ends, no process or thread stays behind. Starting them costs a fork per worker p
 
 from __future__ import annotations
 
+import multiprocessing
+import pickle
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +25,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from ._collate import collate
 from ._pass import one_by_one
-from .errors import add_note
+from .errors import InvalidOptionError, add_note
 
 if TYPE_CHECKING:
     from .dataset import CachedDataset
@@ -68,7 +71,19 @@ class WorkerPass:
             prefetch_factor=max(2, -(-loader.prefetch // count)),
             multiprocessing_context=loader.multiprocessing_context,
         )
-        self.iterator: Iterator[Any] | None = iter(dataloader)
+        try:
+            with warnings.catch_warnings():  # torch's own hint names neither lmdbcache nor num_workers=0
+                warnings.filterwarnings("ignore", "Got pickle error when attempting to start a worker")
+                self.iterator: Iterator[Any] | None = iter(dataloader)
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            if "pickle" not in str(exc).lower():
+                raise
+            method = (dataloader.multiprocessing_context or multiprocessing).get_start_method()
+            raise InvalidOptionError(
+                f"lmdbcache.Loader cannot send the dataset to worker processes started with {method!r}: {exc}. "
+                f"Its transform ({ds.transform!r}) must be picklable there: define it at module level (not a "
+                "lambda or a local function), or pass num_workers=0 to run it on the loader's threads."
+            ) from exc
 
     def get(self) -> Any:
         k, self.next = self.next, self.next + 1

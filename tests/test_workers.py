@@ -114,3 +114,16 @@ def test_worker_count_is_automatic_or_checked(cache_dir):
     for bad in (-1, 1.5, "2"):
         with pytest.raises(InvalidOptionError, match="num_workers"):
             ds.loader(4, num_workers=bad)
+
+
+def test_a_transform_spawn_cannot_send_is_a_clear_error(cache_dir):
+    """A lambda transform with spawned workers: InvalidOptionError naming the transform, module level and
+    num_workers=0 (torch alone says only that a pickle failed), no process left, and num_workers=0 then works."""
+    ds = transformed(cache_dir, 12, transform=lambda sample: sample)
+    before = children()
+    with ds.loader(4, num_workers=2, multiprocessing_context="spawn") as loader:
+        with pytest.raises(InvalidOptionError, match=r"'spawn'.*lambda.*module level.*num_workers=0"):
+            next(iter(loader))
+    assert_no_children_after(before)
+    with ds.loader(4, num_workers=0) as loader:
+        assert sum(len(batch[1]) for batch in loader) == 12
