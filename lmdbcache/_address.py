@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["address"]
+__all__ = ["address", "view"]
 
 
 def _numpy_address(buffer: Any) -> int:
@@ -65,3 +65,30 @@ def _cpython_address() -> Callable[[Any], int] | None:
 
 
 address: Callable[[Any], int] = _cpython_address() or _numpy_address
+
+
+def _cpython_view() -> Callable[[int, int], memoryview] | None:
+    try:
+        from_memory = ctypes.pythonapi.PyMemoryView_FromMemory
+    except (AttributeError, OSError):
+        return None
+    from_memory.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
+    from_memory.restype = ctypes.py_object
+    return lambda at, size: from_memory(at, size, 0x100)  # PyBUF_READ
+
+
+def _ctypes_view(at: int, size: int) -> memoryview:
+    return memoryview((ctypes.c_char * size).from_address(at)).cast("B").toreadonly()
+
+
+_view = _cpython_view()
+
+
+def view(at: int, size: int) -> memoryview:
+    """A read-only view of ``size`` bytes of this process's memory at ``at`` (the caller keeps it valid).
+
+    CPython's own memoryview of raw memory (as py-lmdb's views are): it has no owner object, so
+    its slices hash like bytes, which ``decode``'s plan lookup needs (a view of a ctypes array
+    is unhashable, and decode would copy each value to bytes first).
+    """
+    return _view(at, size) if _view is not None else _ctypes_view(at, size)

@@ -37,6 +37,7 @@ import sys
 from typing import Any
 
 from ._address import address as _address
+from ._address import view as _view
 
 __all__ = ["MapGuard"]
 
@@ -46,6 +47,7 @@ _F_BIGDATA = 0x01
 _PAGE_HEADER = 16
 _node = _NODE.unpack_from
 _pgno = _PGNO.unpack_from
+_EMPTY = memoryview(b"")
 _LITTLE = sys.byteorder == "little"
 PREFETCH_MIN = 16384  # bytes: a value of a few pages gains little from one I/O over its faults
 _MADV_RANDOM, _MADV_SEQUENTIAL, _MADV_WILLNEED = 1, 2, 3  # Linux, the BSDs and macOS alike
@@ -74,7 +76,7 @@ class MapGuard:
         self.file_size = 0
         # (start, file_size, a view of the file's bytes in the map): swapped as one, so a thread checking a
         # record while another refreshes sees one mapping's figures, never a mix
-        self._mapped: tuple[int, int, memoryview] = (0, 0, memoryview(b""))
+        self._mapped: tuple[int, int, memoryview] = (0, 0, _EMPTY)
         self.refresh()
 
     def refresh(self) -> None:
@@ -89,22 +91,29 @@ class MapGuard:
                 lines = f.read().splitlines()
         except OSError:
             self.start = 0
-            self._mapped = (0, 0, memoryview(b""))
+            self._mapped = (0, 0, _EMPTY)
             return
-        start = 0
+        start = end = 0
+        real = os.path.realpath(self.data_file)
         for line in lines:
             fields = line.split(maxsplit=5)
-            if len(fields) < 6 or fields[2] != "00000000":
+            if len(fields) < 6:
                 continue
             try:
+                low, high = (int(part, 16) for part in fields[0].split("-"))
                 inode = int(fields[4])
             except ValueError:
                 continue
-            if inode == st.st_ino and os.path.realpath(fields[5]) == os.path.realpath(self.data_file):
-                start = int(fields[0].split("-")[0], 16)
+            if start and low == end and inode == st.st_ino:
+                end = high  # the mapping goes on (advice on part of it splits it into several lines)
+            elif start:
                 break
-        size = st.st_size
-        view = memoryview((ctypes.c_char * size).from_address(start)).cast("B") if start and size else memoryview(b"")
+            elif fields[2] == "00000000" and inode == st.st_ino and os.path.realpath(fields[5]) == real:
+                start, end = low, high
+        # What may be read through the map: the file's bytes that are mapped (a hostile record can point past
+        # either end; another process may have grown the file past this process's map)
+        size = min(st.st_size, end - start)
+        view = _view(start, size) if start and size > 0 else _EMPTY  # read-only; its slices hash (decode needs it)
         self._mapped = (start, size, view)
         if start and start == self.start:
             self.file_size = size
@@ -160,7 +169,29 @@ class MapGuard:
         if _madvise is not None and 0 <= page < self.file_size:
             _madvise(self.start + page, min(size + offset - page, self.file_size - page), _MADV_WILLNEED)
 
+    def value(self, key: bytes | memoryview) -> memoryview | str:
+        """The value of the record whose key (a view into the map) is ``key``, or why it cannot be read safely.
+
+        The value is a slice of this guard's view of the mapped file: making it touches no page of
+        the value (py-lmdb's get touches every one: a pack of 48 pages read cold for one 3 KiB value
+        in it). The caller keeps it no longer than its read transaction, and refreshes this guard
+        whenever this process's map moves (``Handle._set_mapsize``).
+        """
+        found = self._locate(key)
+        if isinstance(found, str):
+            self.refresh()  # the map may have moved, or the file grown, since the last look
+            found = self._locate(key)
+            if isinstance(found, str):
+                return found
+        at, size, view = found
+        return view[at : at + size]
+
     def _check(self, key: bytes | memoryview, prefetch: bool = False) -> str | None:
+        found = self._locate(key, prefetch)
+        return found if isinstance(found, str) else None
+
+    def _locate(self, key: bytes | memoryview, prefetch: bool = False) -> tuple[int, int, memoryview] | str:
+        """(offset in the file, size, the file's view) of the record's value, or why it cannot be read safely."""
         start, end, view = self._mapped
         offset = _address(key) - start - 8  # the record's node header, in the file
         if not self.page_size <= offset <= end - 8:
@@ -177,6 +208,7 @@ class MapGuard:
                 return f"its {size:,}-byte value on page {pgno} would run past the end of the data file ({end:,} bytes)"
             if prefetch and size >= PREFETCH_MIN:
                 self._advise(at, size)
-        elif data + size > end:
+            return at, size, view
+        if data + size > end:
             return f"its {size:,}-byte value would run past the end of the data file ({end:,} bytes)"
-        return None
+        return data, size, view

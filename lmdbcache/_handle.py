@@ -247,8 +247,7 @@ class Handle:
         try:
             return env.begin(db=db, write=write, buffers=True)
         except lmdb.MapResizedError:
-            self._drop_reader()  # set_mapsize invalidates every transaction of this process
-            env.set_mapsize(0)  # another process grew the map: adopt its size
+            self._set_mapsize(env, 0)  # another process grew the map: adopt its size
             return env.begin(db=db, write=write, buffers=True)
         except lmdb.ReadersFullError:
             if env.reader_check():
@@ -301,8 +300,13 @@ class Handle:
             self._set_mapsize(env, size)
 
     def _set_mapsize(self, env: lmdb.Environment, size: int) -> None:
+        """Every change of this process's map size goes through here (0: adopt another process's size)."""
         self._drop_reader()  # set_mapsize invalidates every transaction of this process
-        env.set_mapsize(size)
+        try:
+            env.set_mapsize(size)
+        finally:
+            if self._guard is not None:
+                self._guard.refresh()  # the map may have moved: the guard's view of it must follow (see _guard)
 
     def _write_lock(self) -> filelock.BaseFileLock:
         if self._file_lock is None:

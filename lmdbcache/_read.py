@@ -92,7 +92,7 @@ class ReadPath(Handle):
                         raw = self._large(txn, index)
                     elif not (pack := self._pack):
                         raw = txn.get(_KEY(index))
-                    elif (whole := self._pack_of(txn, first := index - index % pack)) is None:
+                    elif (whole := self._pack_of(txn, first := index - index % pack, index)) is None:
                         raw = txn.get(_KEY(index))  # this index's chunk is not packed
                     elif len(whole) >= 8 + 8 * pack:  # its span, checked here before: decode catches a changed one
                         at, end = _pair(whole, 8 + 8 * (index - first))
@@ -141,14 +141,7 @@ class ReadPath(Handle):
         pack = self._pack
         if pack:
             first = index - index % pack
-            kept = txn is self._rtxn
-            # A pack this transaction returned before was bounds-checked then (or touched whole by a plain
-            # get without harm): a fresh process's first pass checks each pack once, not once per index.
-            whole = self._packs.get(first) if kept else None
-            if whole is None:
-                whole = self._record(txn, _PKEY(first, _TAG), index)
-                if whole is not None and kept and len(self._packs) < _PACKS_KEPT:
-                    self._packs[first] = whole
+            whole = self._pack_of(txn, first, index)
             if whole is not None:
                 return self._slice(whole, index, first)
         return self._record(txn, _KEY(index), index)
@@ -170,27 +163,42 @@ class ReadPath(Handle):
         pack = self._pack
         if pack:
             first = index - index % pack
-            whole = self._pack_of(txn, first)
+            whole = self._pack_of(txn, first, index)
             if whole is not None:
                 return self._slice(whole, index, first)
         return txn.get(_KEY(index))
 
-    def _pack_of(self, txn: lmdb.Transaction, first: int) -> Any:
-        """The pack of the chunk starting at ``first`` in ``txn`` (a view into the map), or None.
+    def _pack_of(self, txn: lmdb.Transaction, first: int, index: int) -> Any:
+        """The pack of the chunk starting at ``first`` in ``txn``, or None; ``index`` (in it) names it in errors.
 
-        Packs looked up in the kept read transaction are remembered until it ends (``_drop_reader``
-        forgets them): a view stays valid exactly as long as its transaction, and py-lmdb touches
-        every page of a value it returns (its preload), 48 pages for 64 values of 3 KiB, which a
-        lookup in this dict skips.
+        The pack is a view of the mapped file that touches none of its pages (``MapGuard.value``,
+        its record bounds-checked on the way): a read then touches the header's page and its own
+        value's, where py-lmdb's get touches every page of the record, 48 pages read from the disk
+        for one cold 3 KiB value in a pack of 64. Packs looked up in the kept read transaction are
+        remembered until it ends (``_drop_reader`` forgets them): a fresh process's first pass
+        checks each pack once, not once per index, and a warm read skips the lookup.
         """
-        if txn is not self._rtxn:
-            return txn.get(_PKEY(first, _TAG))
-        packs = self._packs
-        whole = packs.get(first)
-        if whole is None:
-            whole = txn.get(_PKEY(first, _TAG))
-            if whole is not None and len(packs) < _PACKS_KEPT:
-                packs[first] = whole
+        kept = txn is self._rtxn
+        if kept and (whole := self._packs.get(first)) is not None:
+            return whole
+        guard = self._guard
+        try:
+            if guard is None or not guard.start:
+                whole = txn.get(_PKEY(first, _TAG), db=self._samples)  # no map to check against (not Linux)
+            else:
+                cursor = txn.cursor(db=self._samples)
+                if not cursor.set_key(_PKEY(first, _TAG)):
+                    return None
+                whole = guard.value(cursor.key())
+                if isinstance(whole, str):
+                    raise CorruptCacheError(
+                        f"Cache '{self.path}' is damaged: the record of the pack holding index {index} is broken "
+                        f"({whole}); it was not read. {REBUILD}"
+                    )
+        except lmdb.Error as exc:
+            raise self._read_failure(exc, index) from exc
+        if whole is not None and kept and len(self._packs) < _PACKS_KEPT:
+            self._packs[first] = whole
         return whole
 
     def _record(self, txn: lmdb.Transaction, key: bytes, index: int) -> Any:

@@ -124,8 +124,7 @@ class WritePath(Handle):
                         self._set_mapsize(env, grown_size(env, need))
                 except lmdb.MapResizedError:
                     with self._lock:
-                        self._drop_reader()
-                        env.set_mapsize(0)
+                        self._set_mapsize(env, 0)
                 except lmdb.Error as exc:
                     raise write_failure(
                         exc,

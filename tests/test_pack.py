@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import struct
@@ -339,8 +340,8 @@ def test_a_fresh_pass_checks_each_packs_record_once_and_every_span(cache_dir, mo
     precompute(Synthetic(16), cache_dir, num_workers=0, progress=False, pack=8, check_determinism=0)
     _edit_pack(cache_dir, 8, _pair(5, 8, 1 << 30))  # index 13's span runs off the pack
     checks = []
-    real = _guard.MapGuard._check
-    monkeypatch.setattr(_guard.MapGuard, "_check", lambda self, *a, **k: checks.append(1) or real(self, *a, **k))
+    real = _guard.MapGuard._locate
+    monkeypatch.setattr(_guard.MapGuard, "_locate", lambda self, *a, **k: checks.append(1) or real(self, *a, **k))
     ds = CachedDataset.open(cache_dir)
     ds[0]  # the kept read transaction begins
     checks.clear()
@@ -352,4 +353,61 @@ def test_a_fresh_pass_checks_each_packs_record_once_and_every_span(cache_dir, mo
     assert len(checks) == 1
     with pytest.raises(CorruptCacheError, match=r"pack holding index 13 .* spans bytes 8 to 1073741824"):
         ds[13]
+    ds.close()
+
+
+ONE_PACKED_READ = """
+    import os, sys, torch
+    from helpers import Listed
+    from lmdbcache import CachedDataset
+
+    path = sys.argv[1]
+    fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold, where the filesystem allows it
+    os.close(fd)
+    ds = CachedDataset(Listed([torch.full((8000,), i, dtype=torch.uint8) for i in range(64)]), path, spot_check=0)
+    assert int(ds[50][0]) == 50 and int(ds[51][-1]) == 51
+    real = os.path.realpath(os.path.join(path, "data.mdb"))
+    rss, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:
+                inside = len(fields) == 6 and os.path.realpath(fields[5]) == real
+            elif inside and fields[0] == "Rss:":
+                rss += int(fields[1])
+    print(rss)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the map's resident pages from smaps")
+def test_reading_a_packed_value_leaves_the_rest_of_its_pack_untouched(cache_dir):
+    """A read of one packed value touches the pack's header and its own pages, not the whole record (py-lmdb's
+    get touches every page of what it returns: a cold read of one 3 KiB value read its whole pack from disk)."""
+    samples = [torch.full((8000,), i, dtype=torch.uint8) for i in range(64)]
+    precompute(Listed(samples), cache_dir, num_workers=0, progress=False, pack=64, check_determinism=0)
+    assert layout(cache_dir) == ([], [0])  # one pack of 64 x 8 KiB: 500 KiB
+    resident_kib = int(run_script(ONE_PACKED_READ, str(cache_dir)).stdout)
+    assert resident_kib < 256  # header, two values and the tree's pages (with the kernel's fault-around)
+
+
+def test_packed_reads_follow_the_map_when_it_moves(cache_dir):
+    """Packed values are views of the guard's map: after this process's map grows (and may move), the guard looks
+    again before any read, so reads stay right (a stale view would read unmapped memory)."""
+    precompute(Synthetic(32), cache_dir, num_workers=0, progress=False, pack=8, check_determinism=0)
+    ds = CachedDataset.open(cache_dir)
+    for i in range(32):
+        assert_same(ds[i], sample_for(i))
+    store = ds._live_store()
+    for growth in (4, 64):
+        with store._lock:
+            env = store._env
+            store._set_mapsize(env, env.info()["map_size"] * growth)
+            guard = store._guard
+            start, size, _ = guard._mapped
+            assert (start, size) == (guard.start, guard.file_size) and start
+            with open("/proc/self/maps") as f:
+                assert f"{start:x}-" in f.read()  # the mapping as it is now
+        for i in reversed(range(32)):
+            assert_same(ds[i], sample_for(i))
     ds.close()
