@@ -125,7 +125,7 @@ class CachedDataset(Dataset[Any]):
         map_size: int = 64 << 20,
         max_readers: int = 1024,
         overwrite: bool = False,
-        commit_every: int = 256,
+        commit_every: int = 4096,
         commit_bytes: int = 8 << 20,
         commit_interval: float = 1.0,
         checksum: str = "once",
