@@ -1,6 +1,10 @@
 """Cold random reads (issue #14): the cache's pages evicted before every timed pass.
 
-    python -m bench.cold [--reps 3] [--n-big 1500] [--n-small 20000]
+    python -m bench.cold [--reps 3] [--n-big 1500] [--n-small 20000] [--pack K] [--fraction F]
+
+``--pack K`` packs the 3x32x32 cache (filled in order, so every chunk is packed);
+``--fraction F`` makes the ``ds[i]`` and ``pread`` passes read F of the indices, so with packs
+most packs are read for one value only, as in a cache larger than RAM (the loader rows read all).
 
 Before each cold pass the page cache is emptied of data.mdb (this process's mapping of it
 is dropped with madvise DONTNEED, then posix_fadvise DONTNEED on the file: no root needed)
@@ -42,7 +46,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import lmdb
 import torch
 from torch.utils.data import DataLoader
 
@@ -103,39 +106,40 @@ def timed(run: Callable[[], None], n: int) -> tuple[float, int]:
     return n / elapsed, read_bytes() - before
 
 
-def workload(work: Path, name: str, n: int, shape: tuple[int, ...], reps: int) -> dict:
-    cache_dir = work / f"{name}.lmdb"
+def workload(
+    work: Path, name: str, n: int, shape: tuple[int, ...], reps: int, pack: int = 0, fraction: float = 1.0
+) -> dict:
+    cache_dir = work / f"{name}-pack{pack}.lmdb"
     source = ArrayDataset(tensor_data(n, shape))
-    ds = lmdbcache.CachedDataset(source, cache_dir, map_size=1 << 32)
-    for i in range(n):
+    ds = lmdbcache.CachedDataset(source, cache_dir, map_size=1 << 32, pack=pack)
+    for i in range(n):  # in order: with pack=K every chunk of K is packed as it completes
         ds[i]
-    ds.close()
     # The stored values, written back to back into a plain file (the baseline reads the same sizes).
-    env = lmdb.open(str(cache_dir), readonly=True, lock=False, max_dbs=2)
-    offsets, sizes = [], []
+    ds.flush()  # committed: the scan reads what LMDB holds
+    offsets, sizes = [0] * n, [0] * n
     plain = work / f"{name}.plain"
-    with env.begin(db=env.open_db(b"samples", create=False)) as txn, open(plain, "wb") as out:
-        for _, value in txn.cursor():
-            offsets.append(out.tell())
-            sizes.append(len(value))
+    with open(plain, "wb") as out:
+        for index, value in ds._live_store().iter_raw():
+            offsets[index], sizes[index] = out.tell(), len(value)
             out.write(value)
-    env.close()
+    ds.close()
     data_file = str(cache_dir / "data.mdb")
     order = list(range(n))
+    part = max(1, round(n * fraction))  # the ds[i] and pread rows read this many random indices a pass
 
     fd = os.open(plain, os.O_RDONLY)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: the disk's rate at this access size
 
     def read_cached(ds: lmdbcache.CachedDataset) -> Callable[[], None]:
         def run() -> None:
-            for i in order:
+            for i in order[:part]:
                 ds[i]
 
         return run
 
     def read_plain() -> None:
         pread = os.pread
-        for i in order:
+        for i in order[:part]:
             pread(fd, sizes[i], offsets[i])
 
     def read_loader(ds: lmdbcache.CachedDataset, rep: int) -> Callable[[], None]:
@@ -173,13 +177,16 @@ def workload(work: Path, name: str, n: int, shape: tuple[int, ...], reps: int) -
         assert ds.cached_count == n  # opened: the environment and its metadata are read before timing
         unmap_pages(data_file)
         evict(data_file)
-        cold["lmdbcache-first"].append(timed(read_cached(ds), n))  # bounds and checksums checked
-        random.Random(rep + 1000).shuffle(order)
+        cold["lmdbcache-first"].append(timed(read_cached(ds), part))  # bounds and checksums checked
+        if part < n:
+            read_cached(ds)()  # these indices verified; the next pass reads them again, cold
+        else:
+            random.Random(rep + 1000).shuffle(order)
         unmap_pages(data_file)
         evict(data_file)
-        cold["lmdbcache"].append(timed(read_cached(ds), n))  # every index verified: the fast path
+        cold["lmdbcache"].append(timed(read_cached(ds), part))  # every index verified: the fast path
         evict(str(plain))
-        cold["pread"].append(timed(read_plain, n))
+        cold["pread"].append(timed(read_plain, part))
         unmap_pages(data_file)
         evict(data_file)
         cold["ds.loader"].append(timed(read_loader(ds, rep), n))
@@ -187,17 +194,17 @@ def workload(work: Path, name: str, n: int, shape: tuple[int, ...], reps: int) -
         evict(data_file)
         cold["DataLoader"].append(timed(read_dataloader(ds, rep), n))
         read_cached(ds)()
-        warm["lmdbcache"].append(timed(read_cached(ds), n)[0])
+        warm["lmdbcache"].append(timed(read_cached(ds), part)[0])
         read_plain()
-        warm["pread"].append(timed(read_plain, n)[0])
+        warm["pread"].append(timed(read_plain, part)[0])
         ds.close()
     os.close(fd)
     value = statistics.median(sizes)
-    out: dict = {"n": n, "value_bytes": value, "cold": {}, "warm": {}}
+    out: dict = {"n": n, "pack": pack, "read": part, "value_bytes": value, "cold": {}, "warm": {}}
     base = statistics.median(r for r, _ in cold["pread"])
     for key, runs in cold.items():
         rate = statistics.median(r for r, _ in runs)
-        per = statistics.median(b for _, b in runs) / n
+        per = statistics.median(b for _, b in runs) / (n if key in ("ds.loader", "DataLoader") else part)
         out["cold"][key] = {
             "rate": rate,
             "spread": (min(r for r, _ in runs), max(r for r, _ in runs)),
@@ -212,7 +219,9 @@ def workload(work: Path, name: str, n: int, shape: tuple[int, ...], reps: int) -
 
 
 def show(name: str, result: dict) -> None:
-    print(f"{name}: {result['n']} samples, stored value {result['value_bytes']:,.0f} bytes")
+    packed = f", pack={result['pack']}" if result["pack"] else ""
+    read = f", {result['read']:,} random reads a ds[i]/pread pass" if result["read"] < result["n"] else ""
+    print(f"{name}: {result['n']} samples{packed}{read}, stored value {result['value_bytes']:,.0f} bytes")
     for key, r in result["cold"].items():
         lo, hi = r["spread"]
         print(
@@ -229,13 +238,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-big", type=int, default=1500)
     parser.add_argument("--n-small", type=int, default=20000)
     parser.add_argument("--dir", default=None, help="where the caches go (default: a temporary directory)")
+    parser.add_argument("--pack", type=int, default=0, help="pack the 3x32x32 cache by this many samples (0: off)")
+    parser.add_argument(
+        "--fraction",
+        type=float,
+        default=1.0,
+        help="the ds[i]/pread passes read this fraction of the indices (below 1: each pack mostly read once, as in "
+        "a cache larger than RAM)",
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         work = Path(tmp)
         if args.n_big:
             show("3x224x224", workload(work, "big", args.n_big, (3, 224, 224), args.reps))
         if args.n_small:
-            show("3x32x32", workload(work, "small", args.n_small, (3, 32, 32), args.reps))
+            show("3x32x32", workload(work, "small", args.n_small, (3, 32, 32), args.reps, args.pack, args.fraction))
     return 0
 
 
