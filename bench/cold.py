@@ -71,8 +71,11 @@ def children() -> list[str]:
     """Pids of this process's live children (/proc/self/task/<tid>/children)."""
     pids = []
     for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/children") as f:
-            pids += f.read().split()
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                pids += f.read().split()
+        except FileNotFoundError:  # a thread that ended since the listing (the loader's, DataLoader's)
+            continue
     return pids
 
 

@@ -169,13 +169,14 @@ class MapGuard:
         if _madvise is not None and 0 <= page < self.file_size:
             _madvise(self.start + page, min(size + offset - page, self.file_size - page), _MADV_WILLNEED)
 
-    def value(self, key: bytes | memoryview) -> memoryview | str:
+    def value(self, key: bytes | memoryview, advise: bool = False) -> memoryview | str:
         """The value of the record whose key (a view into the map) is ``key``, or why it cannot be read safely.
 
         The value is a slice of this guard's view of the mapped file: making it touches no page of
         the value (py-lmdb's get touches every one: a pack of 48 pages read cold for one 3 KiB value
         in it). The caller keeps it no longer than its read transaction, and refreshes this guard
-        whenever this process's map moves (``Handle._set_mapsize``).
+        whenever this process's map moves (``Handle._set_mapsize``). With ``advise``, a value of
+        more than a page is announced to the kernel (one read for all of it if it is not cached).
         """
         found = self._locate(key)
         if isinstance(found, str):
@@ -184,6 +185,8 @@ class MapGuard:
             if isinstance(found, str):
                 return found
         at, size, view = found
+        if advise and size > self.page_size:
+            self._advise(at, size)
         return view[at : at + size]
 
     def _check(self, key: bytes | memoryview, prefetch: bool = False) -> str | None:

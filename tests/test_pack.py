@@ -382,8 +382,9 @@ ONE_PACKED_READ = """
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the map's resident pages from smaps")
 def test_reading_a_packed_value_leaves_the_rest_of_its_pack_untouched(cache_dir):
-    """A read of one packed value touches the pack's header and its own pages, not the whole record (py-lmdb's
-    get touches every page of what it returns: a cold read of one 3 KiB value read its whole pack from disk)."""
+    """A read of one packed value touches the pack's header and its own pages, not the whole record: py-lmdb's
+    get touches every page of what it returns, one synchronous page fault after another when cold (the pack is
+    announced to the kernel instead, which reads it in one I/O and maps nothing)."""
     samples = [torch.full((8000,), i, dtype=torch.uint8) for i in range(64)]
     precompute(Listed(samples), cache_dir, num_workers=0, progress=False, pack=64, check_determinism=0)
     assert layout(cache_dir) == ([], [0])  # one pack of 64 x 8 KiB: 500 KiB
