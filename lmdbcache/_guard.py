@@ -77,6 +77,7 @@ class MapGuard:
         # (start, file_size, a view of the file's bytes in the map): swapped as one, so a thread checking a
         # record while another refreshes sees one mapping's figures, never a mix
         self._mapped: tuple[int, int, memoryview] = (0, 0, _EMPTY)
+        self._unreadable = ""  # why the last refresh failed (every check then fails with it), or ""
         self.refresh()
 
     def refresh(self) -> None:
@@ -89,10 +90,14 @@ class MapGuard:
             st = os.stat(self.data_file)
             with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
                 lines = f.read().splitlines()
-        except OSError:
-            self.start = 0
-            self._mapped = (0, 0, _EMPTY)
-            return
+        except OSError as exc:
+            if self.start:
+                # Checked before: never fall back to unchecked reads (a hostile record would crash the
+                # process). Every check fails, naming why, and looks again, until this works again.
+                self._unreadable = f"it could not be checked: {exc}"
+                self._mapped = (self.start, 0, _EMPTY)
+            return  # never checked (no /proc/self/maps: not Linux): the check stays off, as documented
+        self._unreadable = ""
         start = end = 0
         real = os.path.realpath(self.data_file)
         for line in lines:
@@ -198,7 +203,7 @@ class MapGuard:
         start, end, view = self._mapped
         offset = _address(key) - start - 8  # the record's node header, in the file
         if not self.page_size <= offset <= end - 8:
-            return f"its key lies outside the data file (offset {offset + 8})"
+            return self._unreadable or f"its key lies outside the data file (offset {offset + 8})"
         lo, hi, flags, ksize = _node(view, offset)
         size = lo | hi << 16
         data = offset + 8 + ksize

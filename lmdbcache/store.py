@@ -384,11 +384,13 @@ class Store(ReadPath, WritePath):
         if guard is None:
             yield
             return
-        guard.sequential(True)
+        with self._lock:  # its refresh must not race a map growth (stored after the map moved: stale)
+            guard.sequential(True)
         try:
             yield
         finally:
-            guard.sequential(False)
+            with self._lock:
+                guard.sequential(False)
 
     # ------------------------------------------------------------------ closing
 

@@ -671,3 +671,29 @@ def test_buffer_addresses_are_right_in_every_thread(cache_dir):
     assert isinstance(address(b""), int)
     with pytest.raises(TypeError):
         address(5)
+
+
+def test_a_guard_that_cannot_look_again_refuses_reads_until_it_can(cache_dir, monkeypatch):
+    """A refresh that cannot read /proc/self/maps (out of file descriptors) once the guard is on never turns the
+    check off (a hostile record read unchecked kills the process, found by the attack): reads fail, saying why,
+    and work again once it can look."""
+    from lmdbcache import _guard
+
+    _big_cache(cache_dir, 4)
+    ds = CachedDataset.open(cache_dir)
+    assert_same(ds[0], big_sample(0))
+    guard = ds._live_store()._guard
+    assert guard is not None and guard.start
+
+    def no_files(path, *args, **kwargs):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(_guard, "open", no_files, raising=False)
+    guard.refresh()
+    assert guard.start
+    with pytest.raises(CorruptCacheError, match=r"could not be checked.*Too many open files"):
+        ds[1]
+    monkeypatch.undo()
+    for i in range(4):
+        assert_same(ds[i], big_sample(i))
+    ds.close()
