@@ -17,7 +17,8 @@ is LMDB 0.9's ``MDB_node`` (mdb.c), fixed since 2011: 8 bytes right before the k
     an overflow page's data starts after its 16-byte page header.
 
 The mapping's address comes from /proc/self/maps (refreshed when the map moves: a growth or an
-adopted resize). Where that is unavailable (not Linux) the check is skipped, never guessed.
+adopted resize). Where that is unavailable (not Linux) or the layout differs (a big-endian machine) the
+check is skipped, never guessed.
 
 The same header gives the value's span in the map, so a large value is also announced to the
 kernel before it is touched (``madvise(MADV_WILLNEED)`` on that span, which starts its read):
@@ -86,6 +87,8 @@ class MapGuard:
         Both are found first and stored together: other threads check records against them
         meanwhile (a moment with ``start`` at 0 would let their unchecked reads through).
         """
+        if not _LITTLE:
+            return  # LMDB's node header is parsed little-endian: elsewhere the check stays off, as without /proc
         try:
             st = os.stat(self.data_file)
             with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
@@ -131,31 +134,19 @@ class MapGuard:
         With ``prefetch``, a sound record's value of ``PREFETCH_MIN`` bytes or more is announced
         to the kernel (see the module docstring) before the caller touches it.
         """
-        if not self.start or not _LITTLE:
+        if not self.start:
             return None
-        for attempt in (0, 1):
-            verdict = self._check(key, prefetch)
-            if verdict is None or attempt:
-                return verdict
-            self.refresh()  # the map may have moved, or the file grown, since the last look
-        return None  # pragma: no cover
+        found = self._found(key, prefetch)
+        return found if isinstance(found, str) else None
 
     def prefetch(self, key: bytes | memoryview) -> None:
         """Announce the value of the record whose key is ``key`` (a record checked before in this process).
 
-        Only its header is read; a wrong span is harmless (advice touches nothing), so this is
+        A wrong span is harmless (advice touches nothing), so nothing is refreshed or reported:
         the fast path's cheap half of ``problem``.
         """
-        if _madvise is None or not self.start:
-            return
-        start, end, view = self._mapped
-        offset = _address(key) - start - 8  # the record's node header, in the file
-        if not self.page_size <= offset <= end - 16:
-            return
-        lo, hi, flags, ksize = _node(view, offset)
-        size = lo | hi << 16
-        if flags & _F_BIGDATA and size >= PREFETCH_MIN and offset + 16 + ksize <= end:
-            self._advise(_pgno(view, offset + 8 + ksize)[0] * self.page_size + _PAGE_HEADER, size)
+        if _madvise is not None and self.start:
+            self._locate(key, prefetch=True)
 
     def sequential(self, on: bool) -> None:
         """Read the map ahead (``MADV_SEQUENTIAL``) while a scan walks it, or back to LMDB's no-readahead advice.
@@ -183,20 +174,21 @@ class MapGuard:
         whenever this process's map moves (``Handle._set_mapsize``). With ``advise``, a value of
         more than a page is announced to the kernel (one read for all of it if it is not cached).
         """
-        found = self._locate(key)
+        found = self._found(key)
         if isinstance(found, str):
-            self.refresh()  # the map may have moved, or the file grown, since the last look
-            found = self._locate(key)
-            if isinstance(found, str):
-                return found
+            return found
         at, size, view = found
         if advise and size > self.page_size:
             self._advise(at, size)
         return view[at : at + size]
 
-    def _check(self, key: bytes | memoryview, prefetch: bool = False) -> str | None:
+    def _found(self, key: bytes | memoryview, prefetch: bool = False) -> tuple[int, int, memoryview] | str:
+        """``_locate``, looking for the map again once if it fails: it may have moved, or the file grown."""
         found = self._locate(key, prefetch)
-        return found if isinstance(found, str) else None
+        if isinstance(found, str):
+            self.refresh()
+            found = self._locate(key, prefetch)
+        return found
 
     def _locate(self, key: bytes | memoryview, prefetch: bool = False) -> tuple[int, int, memoryview] | str:
         """(offset in the file, size, the file's view) of the record's value, or why it cannot be read safely."""

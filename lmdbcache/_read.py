@@ -138,13 +138,17 @@ class ReadPath(Handle):
 
         With packs, the chunk's pack is looked up first (a complete chunk is packed), then the single record.
         """
+        raw = self._packed(txn, index)
+        return raw if raw is not None else self._record(txn, _KEY(index), index)
+
+    def _packed(self, txn: lmdb.Transaction, index: int) -> Any:
+        """The value of ``index`` sliced out of its chunk's pack (span checked), or None: packs off, chunk unpacked."""
         pack = self._pack
-        if pack:
-            first = index - index % pack
-            whole = self._pack_of(txn, first, index)
-            if whole is not None:
-                return self._slice(whole, index, first)
-        return self._record(txn, _KEY(index), index)
+        if not pack:
+            return None
+        first = index - index % pack
+        whole = self._pack_of(txn, first, index)
+        return None if whole is None else self._slice(whole, index, first)
 
     def _slice(self, whole: Any, index: int, first: int) -> Any:
         """The value of ``index`` in the pack ``whole`` of the chunk starting at ``first``, its span checked."""
@@ -160,13 +164,8 @@ class ReadPath(Handle):
 
     def _small(self, txn: lmdb.Transaction, index: int) -> Any:
         """A verified small value: from its chunk's pack if there is one, else its single record."""
-        pack = self._pack
-        if pack:
-            first = index - index % pack
-            whole = self._pack_of(txn, first, index)
-            if whole is not None:
-                return self._slice(whole, index, first)
-        return txn.get(_KEY(index))
+        raw = self._packed(txn, index)
+        return raw if raw is not None else txn.get(_KEY(index))
 
     def _pack_of(self, txn: lmdb.Transaction, first: int, index: int) -> Any:
         """The pack of the chunk starting at ``first`` in ``txn``, or None; ``index`` (in it) names it in errors.

@@ -29,10 +29,11 @@ from typing import Any
 from .errors import LmdbCacheWarning
 from .store import Store
 
-__all__ = ["acquire", "freeze_inherited", "inherited", "open_store", "opened", "release"]
+__all__ = ["acquire", "freeze_inherited", "open_store", "opened", "release"]
 
 _pid = os.getpid()
 _stores: dict[str, Store] = {}
+_inherited = False  # this process was forked while caches were open (see freeze_inherited)
 _registry_lock = threading.Lock()
 _exit_flush_pid = 0
 
@@ -141,11 +142,10 @@ def _after_fork_parent() -> None:
 
 
 def _after_fork_child() -> None:
-    global _pid
+    global _pid, _inherited
     _pid = os.getpid()
     # The child opens its own stores. The parent's objects stay reachable from datasets,
     # which see the pid change and re-acquire; unlock them so nothing can hang on them.
-    global _inherited
     _inherited = bool(_stores)  # see freeze_inherited
     for store in _stores.values():
         store.owned = False
@@ -154,30 +154,26 @@ def _after_fork_child() -> None:
     _registry_lock.release()
 
 
-_inherited = False  # this process was forked while caches were open
-
-
 def freeze_inherited() -> None:
-    """Once, in a DataLoader worker forked while caches were open: ``gc.freeze()``.
+    """Once, in a DataLoader worker forked while caches were open: ``gc.freeze()``; elsewhere nothing.
 
     Every object inherited from the parent goes into the collector's permanent generation,
     untouched. A full collection in the worker would otherwise write to each one's header and
     so copy every page of the parent's objects into the worker: 35 MiB per worker in make
     bench's small workload, set off by a few hundred kept pack views (issue #11; Python's gc
-    docs advise freezing for fork without exec). The caller (``CachedDataset``) asks only in a
-    DataLoader worker: an inherited cycle is then never collected there, which a worker (it
-    lives for an epoch or a run, its objects mostly its parent's) does not notice, and another
-    long-lived forked child might.
+    docs advise freezing for fork without exec). Only in a DataLoader worker: an inherited
+    cycle is then never collected there, which a worker (it lives for an epoch or a run, its
+    objects mostly its parent's) does not notice, and another long-lived forked child might.
+    Called by ``CachedDataset`` when it acquires its store.
     """
     global _inherited
-    if _inherited:
+    if not _inherited:
+        return
+    from torch.utils.data import get_worker_info  # torch is loaded: a dataset asks
+
+    if get_worker_info() is not None:
         _inherited = False
         gc.freeze()
-
-
-def inherited() -> bool:
-    """Whether this process was forked while caches were open and has not frozen what it inherited yet."""
-    return _inherited
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent, after_in_child=_after_fork_child)

@@ -264,11 +264,7 @@ class CachedDataset(Dataset[Any]):
         """
         store = self._store
         if store is None or not store.owned:
-            if _registry.inherited():
-                from torch.utils.data import get_worker_info
-
-                if get_worker_info() is not None:  # a forked DataLoader worker: see freeze_inherited
-                    _registry.freeze_inherited()
+            _registry.freeze_inherited()  # in a DataLoader worker forked with caches open (see there)
             store = _registry.acquire(self.path, **self._options)
             store.expect_build(self._build)  # opening checks the cache is still the build we validated
             self._store = store
