@@ -37,6 +37,7 @@ __all__ = [
     "check_size",
     "clear_unsynced",
     "filesystem_type",
+    "has_unsynced",
     "mark_unsynced",
     "marker_settings",
     "remove_lmdb_files",
@@ -228,6 +229,11 @@ def mark_unsynced(path: str, settings: dict[str, Any] | None = None) -> bool:
     except OSError:
         return False
     return True
+
+
+def has_unsynced(path: str) -> bool:
+    """The marker is there (anything at its path: a non-file is refused when the cache is opened)."""
+    return os.path.lexists(os.path.join(path, UNSYNCED))
 
 
 def clear_unsynced(path: str) -> None:

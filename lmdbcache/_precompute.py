@@ -34,6 +34,7 @@ from ._compress import Compressor
 from ._compress import check as check_compression
 from ._options import check_options, parse_size
 from ._progress import progress_bar
+from ._signals import interrupts_held, interrupts_ignored
 from .codec import encode
 from .dataset import dataset_length, default_fingerprint
 from .errors import InvalidOptionError, LmdbCacheError, NondeterministicDatasetError, SourceItemError
@@ -148,6 +149,7 @@ def precompute(
     local, workers = _local_ranks(local, overwrite, num_workers)
     length = dataset_length(dataset)
     indices = shard_indices(length, shard, local)
+    halted = False
     run = _Run.open(
         path, dataset, length, fingerprint, overwrite, map_size, commit_every, commit_bytes, compress, compress_level,
         pack,
@@ -157,7 +159,11 @@ def precompute(
         halted = _fill(run, dataset, todo, workers, batch_size, progress, check_determinism, allow_nondeterministic)
         cached = run.store.count()
     finally:
-        _registry.release(run.store)
+        # The last release syncs the file and removes the unsynced marker: a Ctrl-C meanwhile (the bar
+        # sits at 100% during the sync) waits for both, then the run reports as interrupted.
+        with interrupts_held(block=False, reraise=False) as held:
+            _registry.release(run.store)
+        halted = halted or bool(held)
     seconds = (run.stopped or time.perf_counter()) - start
     size = os.path.getsize(os.path.join(path, DATA_FILE))
     return PrecomputeResult(path, run.written, len(indices) - len(todo), seconds, cached, length, size, halted)
@@ -265,7 +271,7 @@ class _Run:
     def final_commit(self) -> None:
         """``commit`` after Ctrl-C: a second Ctrl-C must not abort it."""
         if self.stopped is None:
-            with _interrupts_ignored():
+            with interrupts_ignored():
                 self.commit()
 
 
@@ -343,7 +349,7 @@ def _write_all(run: _Run, dataset: Any, todo: list[int], workers: int, batch_siz
     bar = progress_bar(len(todo) + run.written, "sample", progress is False, initial=run.written, smoothing=0.1)
     batches: Iterator[_Batch] | None = None
     try:
-        with _interrupts_held():  # an interrupted start would leave workers that nothing shuts down
+        with interrupts_held():  # an interrupted start would leave workers that nothing shuts down
             batches = iter(loader)
         _queue_all(run, batches, bar)
     except KeyboardInterrupt:
@@ -408,40 +414,6 @@ def _collate(batch: _Batch) -> _Batch:
 
 
 def _ignore_interrupts(worker_id: int) -> None:
-    """A worker's first step: ignore SIGINT (see the module docstring), which ``_interrupts_held`` blocked."""
+    """A worker's first step: ignore SIGINT (see the module docstring), which ``interrupts_held`` blocked."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-
-
-@contextlib.contextmanager
-def _interrupts_held() -> Iterator[None]:
-    """Hold Ctrl-C until the block has run, then raise it; processes started inside begin with SIGINT blocked.
-
-    The signal mask is inherited by fork and kept across exec, so a worker cannot be
-    interrupted before ``_ignore_interrupts`` runs, whatever the start method.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield  # Python runs signal handlers in the main thread only
-        return
-    held: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        signal.signal(signal.SIGINT, previous)
-    if held:
-        signal.raise_signal(signal.SIGINT)  # to the handler in force again: KeyboardInterrupt by default
-
-
-@contextlib.contextmanager
-def _interrupts_ignored() -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)

@@ -12,7 +12,15 @@ py-lmdb 3 refuses to open one in a child whose parent holds it open.
 
 Exit. Queued samples are committed at interpreter exit (atexit) and, in multiprocessing
 children such as DataLoader workers, by multiprocessing's exit finalizers (workers end with
-``os._exit``, which skips atexit).
+``os._exit``, which skips atexit). A script that ends with a DataLoader still alive (persistent
+workers, or a loop left with ``break``) does not stop its workers: multiprocessing's own exit
+hook sends each daemonic child SIGTERM and waits for it, and torch's worker handler for SIGTERM
+calls ``_exit`` at once, which threw away every sample the worker had queued (issue #22). So a
+multiprocessing child that opens a cache handles SIGTERM itself: the handler raises
+``SystemExit`` in the main thread, which unwinds whatever it was doing (releasing the locks it
+held), and the process then ends through multiprocessing's finalizers, which commit and sync the
+queue. The parent is waiting for it in ``join``; the exit code is 0, as torch's handler gives.
+A handler the user installed from Python is left alone.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import signal
 import threading
 import warnings
 from collections.abc import Iterator
@@ -197,7 +206,27 @@ def _register_exit_flush() -> None:
         return
     _exit_flush_pid = _pid
     atexit.register(_flush_all_at_exit)
+    import multiprocessing
     import multiprocessing.util
 
     # Process._bootstrap runs these (not atexit) before a worker's os._exit().
     multiprocessing.util.Finalize(None, _flush_all_at_exit, exitpriority=100)
+    if multiprocessing.parent_process() is not None:
+        _commit_on_sigterm()
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(0)  # Process._bootstrap runs the finalizers, then exits (see module docstring)
+
+
+def _commit_on_sigterm() -> None:
+    """In a multiprocessing child: SIGTERM ends the process through its finalizers, which commit the queue."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # only the main thread may set a handler; the finalizers still run at a normal end
+    try:
+        current = signal.getsignal(signal.SIGTERM)
+    except (AttributeError, ValueError):
+        return
+    # SIG_DFL, or None: a handler set outside Python (torch's worker handler, which calls _exit).
+    if current in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)

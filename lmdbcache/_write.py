@@ -29,9 +29,10 @@ from ._commit import Policy
 from ._env import grown_size
 from ._handle import Handle
 from ._lmdb_errors import write_failure
+from ._signals import interrupts_held
 from .errors import CacheMismatchError, LmdbCacheError, ReadOnlyCacheError
 
-__all__ = ["WritePath"]
+__all__ = ["WritePath", "sync_and_clear"]
 
 _KEY = struct.Struct(">Q").pack
 _PKEY = _pack.key
@@ -205,20 +206,16 @@ class WritePath(Handle):
         """fsync everything committed so far (by any process) and clear the unsynced marker (at close).
 
         An fsync of data.mdb itself, not of the environment: it may be closed (before a fork)
-        and every commit's pages are in the file's page cache whoever wrote them. Called
-        without the lock (it takes the write lock, which comes first).
+        and every commit's pages are in the file's page cache whoever wrote them. So it also
+        clears a marker another process left (one killed before its close, say): after this
+        sync nothing it guarded is unsynced, and a process that commits again writes it again
+        (``_fs.mark_unsynced``, under the same write lock). Called without the lock (it takes
+        the write lock, which comes first). Ctrl-C waits for the sync and the marker's removal.
         """
-        if not self._unsynced:
-            return
-        with self._write_lock():
-            try:
-                _fs.sync_data_file(self.path)
-            except OSError as exc:
-                raise LmdbCacheError(
-                    f"Cache '{self.path}': syncing its last commits to disk failed ({exc.strerror}). They are "
-                    "readable; a crash of the machine before the kernel writes them would make the next run rebuild."
-                ) from exc
-            _fs.clear_unsynced(self.path)
+        if not self._unsynced and (self.readonly or self.build is None or not _fs.has_unsynced(self.path)):
+            return  # (a store that adopted no build may have refused another boot's marker: never clear that)
+        with self._write_lock(), interrupts_held(block=False):
+            sync_and_clear(self.path)
         self._unsynced = False
 
     def _check_cache_id(self, txn: lmdb.Transaction) -> None:
@@ -254,3 +251,16 @@ class WritePath(Handle):
                     raise LmdbCacheError(f"Cache '{self.path}': no room to unpack after 64 map growths.")
             except lmdb.Error as exc:
                 raise write_failure(exc, self.path, "nothing was deleted") from exc
+
+
+def sync_and_clear(path: str) -> None:
+    """fsync data.mdb, then remove the unsynced marker; under the write lock."""
+    try:
+        _fs.sync_data_file(path)
+    except OSError as exc:
+        raise LmdbCacheError(
+            f"Cache '{path}': syncing its last commits to disk failed ({exc.strerror}). They are "
+            "readable; a crash of the machine before the kernel writes them would make the next run rebuild."
+        ) from exc
+    if _fs.unsynced_in_another_boot(path) is None:  # another boot's marker is the next open's to judge
+        _fs.clear_unsynced(path)

@@ -55,7 +55,8 @@ from ._lmdb_errors import REBUILD, translate, write_failure
 from ._options import MIB, parse_size
 from ._read import MISSING, ReadPath
 from ._version import FORMAT_VERSION
-from ._write import WritePath
+from ._signals import interrupts_held
+from ._write import WritePath, sync_and_clear
 from .errors import (
     CacheMismatchError,
     CorruptCacheError,
@@ -257,6 +258,11 @@ class Store(ReadPath, WritePath):
                 )
                 compress, pack = _kept_settings(path, compress, pack)
                 _fs.remove_lmdb_files(path)
+            elif _fs.has_unsynced(path):
+                # This boot's marker, left by a process that ended before its close (a crash, a kill):
+                # what it guards is in the page cache; one sync and it guards nothing.
+                with interrupts_held(block=False):
+                    sync_and_clear(path)
             try:
                 env = self._open_env(readonly=False)
                 found = self._read_meta(env)

@@ -435,3 +435,96 @@ def test_a_dataloader_worker_forked_with_caches_open_freezes_what_it_inherits(ca
     assert worker > 1000  # every object of the parent: modules, torch, the dataset
     assert plain == 0
     assert parent == 0
+
+
+QUICK_START_SCRIPT = """
+import sys
+from torch.utils.data import DataLoader
+from helpers import Synthetic
+from lmdbcache import CachedDataset
+
+path, n, context, how = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+cached = CachedDataset(Synthetic(n, delay=0.002), path, fingerprint="quick-start")
+if how == "ds.loader":
+    loader = cached.loader(16, shuffle=True, seed=0, num_workers=2, multiprocessing_context=context)
+else:
+    loader = DataLoader(cached, batch_size=16, shuffle=True, num_workers=2, multiprocessing_context=context,
+                        persistent_workers=how == "persistent")
+for epoch in range(2):
+    for images, labels in loader:
+        if how == "break" and epoch == 1:
+            break
+# the script just ends: no close(), no del, the loader and its workers still alive
+"""
+
+
+@pytest.mark.parametrize(
+    ("context", "how"),
+    [
+        ("fork", "persistent"),
+        ("spawn", "persistent"),
+        ("forkserver", "persistent"),
+        ("fork", "break"),
+        ("spawn", "ds.loader"),
+    ],
+)
+def test_the_quick_start_recipe_loses_nothing_when_the_script_just_ends(cache_dir, context, how):
+    """Everything DataLoader workers decoded is committed and synced when a script ends with its loader alive."""
+    n = 300
+    run_script(QUICK_START_SCRIPT, str(cache_dir), str(n), context, how)
+    assert not (cache_dir / _fs.UNSYNCED).exists()  # every process that committed synced on its way out
+    check_cache(cache_dir, n)
+
+
+def _another_boot(tmp_path, monkeypatch) -> None:
+    """From here on this process sees another boot id: a simulated reboot."""
+    boot = tmp_path / "boot_id"
+    boot.write_text("11111111-2222-4333-8444-555555555555\n")
+    monkeypatch.setattr(_fs, "BOOT_ID_FILE", str(boot))
+
+
+def test_a_killed_workers_marker_is_cleared_by_the_next_sync_and_survives_a_reboot(cache_dir, tmp_path, monkeypatch):
+    """A marker left by a process killed in this boot goes at the next writable open; a reboot then reads it all."""
+    n = 2000
+    with run_script(FILL_SCRIPT, str(cache_dir), str(n), "3", "0.001", "10", wait=False) as proc:
+        wait_for_count(cache_dir, 100)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    marker = cache_dir / _fs.UNSYNCED
+    assert marker.exists()
+    reader = CachedDataset.open(cache_dir)  # a writable open of this boot: one sync, and the marker is gone
+    assert not marker.exists()
+    committed = reader.cached_count
+    reader.close()
+    _another_boot(tmp_path, monkeypatch)
+    after = CachedDataset.open(cache_dir)
+    assert after.cached_count == committed >= 100
+    after.close()
+
+
+PRECOMPUTE_INTERRUPT_SCRIPT = """
+import os, signal, sys
+from helpers import Synthetic
+from lmdbcache import _fs
+from lmdbcache.cli import main
+
+real_sync = _fs.sync_data_file
+
+def interrupted_sync(path):
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the final sync runs
+    real_sync(path)
+
+_fs.sync_data_file = interrupted_sync
+sys.exit(main(["precompute", "helpers:Synthetic", sys.argv[1], "--arg", "n=200", "--workers", "0"]))
+"""
+
+
+def test_ctrl_c_during_precomputes_final_sync_finishes_it_and_prints_the_summary(cache_dir, tmp_path, monkeypatch):
+    """Ctrl-C during the last sync waits for it and the marker's removal, then reports; a reboot reads every sample."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
+    argv = [sys.executable, "-c", textwrap.dedent(PRECOMPUTE_INTERRUPT_SCRIPT), str(cache_dir)]
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert "Interrupted: kept" in result.stdout + result.stderr, result.stderr
+    assert not (cache_dir / _fs.UNSYNCED).exists()
+    _another_boot(tmp_path, monkeypatch)
+    check_cache(cache_dir, 200)
