@@ -14,14 +14,12 @@ also skip the rest of their batch once the run has stopped, so they leave at onc
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import multiprocessing
 import multiprocessing.synchronize
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any

@@ -20,9 +20,9 @@ __all__ = ["interrupts_held", "interrupts_ignored"]
 def interrupts_held(block: bool = True, reraise: bool = True) -> Iterator[list[int]]:
     """Hold Ctrl-C until the block has run, then raise it (the list it yields says whether one came).
 
-    ``reraise=False`` only notes it: the caller reports the interruption itself. With ``block`` the signal is also blocked in the mask, which processes started inside the
-    block inherit (through fork and exec): a worker cannot be interrupted before it sets its own
-    handler. Nested blocks raise once, at the outermost end.
+    ``reraise=False`` only notes it: the caller reports the interruption itself. With ``block``
+    the signal is also blocked in the mask, which processes started inside the block inherit
+    (through fork and exec): a worker cannot be interrupted before it sets its own handler.
     """
     held: list[int] = []
     if threading.current_thread() is not threading.main_thread():

@@ -54,8 +54,8 @@ from ._fs import DATA_FILE, LOCK_FILE, WRITE_LOCK
 from ._lmdb_errors import REBUILD, translate, write_failure
 from ._options import MIB, parse_size
 from ._read import MISSING, ReadPath
-from ._version import FORMAT_VERSION
 from ._signals import interrupts_held
+from ._version import FORMAT_VERSION
 from ._write import WritePath, sync_and_clear
 from .errors import (
     CacheMismatchError,
