@@ -11,6 +11,7 @@ See ``loader`` for the rules the ring and the fallback keep.
 from __future__ import annotations
 
 import itertools
+import os
 import queue
 import random
 import struct
@@ -36,6 +37,16 @@ if TYPE_CHECKING:
 
 # Held while a transform runs with the global generators seeded: they are process-wide.
 _RNG_LOCK = threading.Lock()
+
+
+def _new_rng_lock() -> None:
+    # A child forked while another thread's transform held the lock (a second loader starting fork
+    # workers beside a thread pass) would inherit it held by a thread that does not exist there.
+    global _RNG_LOCK
+    _RNG_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_rng_lock)
 _U64 = (1 << 64) - 1
 
 __all__ = ["INLINE", "Pass", "Ring", "current_stream_event", "one_by_one", "stamp", "together"]

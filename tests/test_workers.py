@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
 
 import pytest
@@ -127,3 +128,36 @@ def test_a_transform_spawn_cannot_send_is_a_clear_error(cache_dir):
     assert_no_children_after(before)
     with ds.loader(4, num_workers=0) as loader:
         assert sum(len(batch[1]) for batch in loader) == 12
+
+
+_held = threading.Event()
+_release = threading.Event()
+
+
+def _blocking_transform(sample):
+    """On loader A's thread: holds the seeded-generator lock until the test lets go."""
+    _held.set()
+    _release.wait(60)
+    return sample
+
+
+def test_a_loader_forking_workers_beside_a_thread_pass_that_holds_the_generator_lock_does_not_hang(cache_dir):
+    """Loader B forks its workers while loader A's per-sample transform holds the seeded-generator lock on a
+    thread: the workers start with the lock free (reset at fork) and B's pass completes."""
+    warm(CachedDataset(Synthetic(32), cache_dir)).close()
+    a = CachedDataset.open(cache_dir, transform=_blocking_transform)
+    b = CachedDataset.open(cache_dir, transform=random_transform)
+    loader_a = a.loader(8, num_workers=0, num_threads=1)
+    loader_b = b.loader(8, num_workers=2, multiprocessing_context="fork")
+    results: list = []
+    thread = threading.Thread(target=lambda: results.extend(loader_a), daemon=True)
+    thread.start()
+    try:
+        assert _held.wait(30)
+        assert sum(len(batch[1]) for batch in loader_b) == 32  # hung forever before the reset
+    finally:
+        _release.set()
+        thread.join(60)
+    assert sum(len(labels) for _, labels in results) == 32
+    a.close()
+    b.close()
