@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import FORMAT_VERSION, __version__
 from .errors import (
+    CacheClosedError,
     CacheFullError,
     CacheMismatchError,
     CorruptCacheError,
@@ -38,6 +39,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
 
 __all__ = [
     "FORMAT_VERSION",
+    "CacheClosedError",
     "CacheFullError",
     "CacheMismatchError",
     "CachedDataset",

@@ -28,7 +28,7 @@ from ._fs import DATA_FILE, WRITE_LOCK
 from ._guard import MapGuard
 from ._lmdb_errors import readers_full, translate
 from ._options import MIB, parse_size
-from .errors import CacheMismatchError, NotACacheError
+from .errors import CacheClosedError, CacheMismatchError, NotACacheError
 
 __all__ = ["Handle"]
 
@@ -63,6 +63,9 @@ class Handle:
         self.owned = False
         self.readonly = False
         self.refs = 0
+        # Released for good (its last reference closed it): a thread still inside a read on it must
+        # not reopen its environment beside the one a new Store for the same path opens (issue #22).
+        self.retired = False
         self._lock = threading.Lock()
         self._env: lmdb.Environment | None = None
         self._samples: Any = None
@@ -123,6 +126,11 @@ class Handle:
             return env
         if self._stale is not None:
             raise CacheMismatchError(self._stale)
+        if self.retired:
+            raise CacheClosedError(
+                f"Cache '{self.path}' was closed by another thread while this read or write was running; "
+                "nothing was lost. Use the dataset again: it reopens the cache."
+            )
         readonly = not _fs.writable(self.path)
         if not readonly:
             _fs.check_data_file(self.path, overwrite=False)

@@ -133,7 +133,9 @@ def release(store: Store) -> None:
         for key, value in list(_stores.items()):
             if value is store:
                 del _stores[key]
-    store.close()
+        # Closed inside the registry lock: a new Store for the same path (a reopen from another
+        # thread) waits until this environment is closed, as LMDB's one-per-process rule needs.
+        store.retire()
 
 
 def _before_fork() -> None:

@@ -263,7 +263,7 @@ class CachedDataset(Dataset[Any]):
         an identity test.
         """
         store = self._store
-        if store is None or not store.owned:
+        if store is None or not store.owned or store.retired:
             _registry.freeze_inherited()  # in a DataLoader worker forked with caches open (see there)
             store = _registry.acquire(self.path, **self._options)
             store.expect_build(self._build)  # opening checks the cache is still the build we validated

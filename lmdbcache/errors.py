@@ -15,6 +15,7 @@ Each one also subclasses the builtin a caller would already catch::
     ├── ReadOnlyCacheError(PermissionError)     a write to a cache opened read-only
     ├── CacheFullError(OSError)                 the disk (not the map: that grows) is full
     ├── ReadersFullError(RuntimeError)          LMDB's reader table is exhausted
+    ├── CacheClosedError(RuntimeError)          a read or write that ran while another thread closed the cache
     ├── InvalidOptionError(ValueError)          an argument or option out of its valid range
     ├── SpecError(ValueError)                   a precompute SPEC that does not give a dataset
     ├── NondeterministicDatasetError(ValueError) the source returned two different samples for one index
@@ -31,6 +32,7 @@ Each one also subclasses the builtin a caller would already catch::
 from __future__ import annotations
 
 __all__ = [
+    "CacheClosedError",
     "CacheFullError",
     "CacheMismatchError",
     "CorruptCacheError",
@@ -88,6 +90,10 @@ class CacheFullError(LmdbCacheError, OSError):
 
 class ReadersFullError(LmdbCacheError, RuntimeError):
     """LMDB's table of concurrent readers is full, even after clearing dead processes."""
+
+
+class CacheClosedError(LmdbCacheError, RuntimeError):
+    """A read or write that was running while another thread closed the cache (``close()``); use it again."""
 
 
 class InvalidOptionError(LmdbCacheError, ValueError):

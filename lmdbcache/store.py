@@ -418,6 +418,12 @@ class Store(ReadPath, WritePath):
                 else:
                     self._close_env()
 
+    def retire(self) -> None:
+        """``close()`` for good (the registry's last reference): from now on it never reopens (``retired``)."""
+        with self._lock:
+            self.retired = True
+        self.close()
+
     def _idle(self) -> None:
         """Called by the commit thread, with the lock held, after each batch."""
         if self._close_when_idle:

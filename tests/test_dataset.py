@@ -588,3 +588,48 @@ def test_the_spot_check_leaves_a_damaged_value_to_the_read_that_meets_it(cache_d
     with pytest.raises(lmdbcache.CorruptSampleError, match=r"index 0.*verify --repair"):
         ds[0]
     ds.close()
+
+
+def test_close_from_one_thread_while_others_read_then_reopen_in_the_same_process(cache_dir):
+    """close() while other threads read (a user's pool, a loader's copy threads): each read returns its sample or
+    raises CacheClosedError, and the same process reopens the path at once (it said "already open" before)."""
+    import threading
+
+    from lmdbcache import CacheClosedError
+
+    n = 200
+    ds = CachedDataset(Synthetic(n), cache_dir)
+    for i in range(n):
+        ds[i]
+    ds.flush()
+    stop, unexpected, closed, good = threading.Event(), [], [0], [0]
+
+    def read(rng: random.Random) -> None:
+        while not stop.is_set():
+            i = rng.randrange(n)
+            try:
+                assert_same(ds[i], sample_for(i))
+                good[0] += 1
+            except CacheClosedError:
+                closed[0] += 1
+            except Exception as exc:
+                unexpected.append(repr(exc))
+
+    threads = [threading.Thread(target=read, args=(random.Random(k),)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    try:
+        for k in range(200):
+            ds.close()
+            other = CachedDataset.open(cache_dir)
+            assert_same(other[k % n], sample_for(k % n))
+            other.close()
+        loader = ds.loader(8, num_threads=2)
+        assert sum(len(labels) for _, labels in loader) == n  # the loader's threads read beside them too
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+    assert not unexpected, unexpected[:3]
+    assert good[0] > 0
+    ds.close()
