@@ -528,3 +528,28 @@ def test_ctrl_c_during_precomputes_final_sync_finishes_it_and_prints_the_summary
     assert not (cache_dir / _fs.UNSYNCED).exists()
     _another_boot(tmp_path, monkeypatch)
     check_cache(cache_dir, 200)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["verify"],
+        ["precompute", "helpers:Synthetic", "--arg", "n=64", "--workers", "0"],  # nothing left to write
+        ["info"],
+    ],
+)
+def test_a_marker_of_this_boot_goes_with_verify_a_no_op_precompute_or_info(cache_dir, tmp_path, monkeypatch, command):
+    """A marker that a killed process of this boot left is cleared (after a sync) by the CLI's next writable open;
+    after a simulated reboot the cache opens and reads every sample."""
+    ds = CachedDataset(Synthetic(64), cache_dir)
+    for i in range(64):
+        ds[i]
+    ds.close()
+    marker = cache_dir / _fs.UNSYNCED
+    marker.write_text(f"{_fs.boot_id()}\n{{}}\n")  # as a process killed after a commit leaves it
+    path = str(cache_dir)
+    argv = [command[0], *([command[1], path, *command[2:]] if command[0] == "precompute" else [path])]
+    run_script("import sys; from lmdbcache.cli import main; sys.exit(main(sys.argv[1:]))", *argv)
+    assert not marker.exists()
+    _another_boot(tmp_path, monkeypatch)
+    check_cache(cache_dir, 64)
