@@ -61,6 +61,7 @@ epoch; ``multiprocessing_context`` as in DataLoader).
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -95,6 +96,22 @@ def _world(rank: int | None, world_size: int | None) -> tuple[int, int] | None:
     if not (type(world_size) is int and world_size >= 1 and type(rank) is int and 0 <= rank < world_size):
         raise InvalidOptionError(f"rank must be in [0, world_size) and world_size >= 1, not {rank!r}, {world_size!r}.")
     return rank, world_size
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning issued by the caller point at the first frame outside lmdbcache.
+
+    ``Loader(...)`` and ``ds.loader(...)`` reach the warning through different depths; a fixed
+    stacklevel named ``dataset.py`` for the second. (Python 3.12's ``skip_file_prefixes`` does this.)
+    """
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame = inspect.currentframe()
+    if frame is None:  # an interpreter without frame objects: the caller's caller, as before
+        return 2
+    frame, level = frame.f_back, 1  # the frame that calls warnings.warn is level 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _check_options(
@@ -207,7 +224,7 @@ class Loader:
             warnings.warn(
                 "lmdbcache.Loader: pin_memory=True but CUDA is not available; batches are not pinned.",
                 LmdbCacheWarning,
-                stacklevel=2,
+                stacklevel=_user_stacklevel(),
             )
         if record_event is None and self.pin_memory:
             record_event = current_stream_event

@@ -439,6 +439,17 @@ def test_pin_memory_without_cuda_warns_and_is_ignored(cache_dir):
     loader.close()
 
 
+def test_the_pin_memory_warning_points_at_the_users_line(cache_dir):
+    """The pin_memory warning names the caller's file, through ds.loader(...) as through Loader(...)."""
+    from lmdbcache import Loader
+
+    ds = warm(CachedDataset(Synthetic(4), cache_dir))
+    for make in (lambda: ds.loader(2, pin_memory=True), lambda: Loader(ds, 2, pin_memory=True)):
+        with pytest.warns(LmdbCacheWarning, match="pin_memory") as caught:
+            make().close()
+        assert [w.filename for w in caught] == [__file__]
+
+
 def random_transform(sample):
     """A random augmentation drawing from the three global generators."""
     import random
