@@ -27,6 +27,7 @@ from .errors import (
     SampleNotCachedError,
     SourceItemError,
     SpecError,
+    StrayStopIterationError,
     UnsupportedSampleError,
 )
 
@@ -56,6 +57,7 @@ __all__ = [
     "SampleNotCachedError",
     "SourceItemError",
     "SpecError",
+    "StrayStopIterationError",
     "UnsupportedSampleError",
     "__version__",
     "collate",

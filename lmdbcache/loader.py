@@ -262,7 +262,15 @@ class Loader:
     def batches(self, epoch: int) -> list[list[int]]:
         """This rank's batches of indices for ``epoch``."""
         if self.batch_sampler is not None:
-            return [[int(i) for i in b] for b in _epoch_of(self.batch_sampler, epoch)]
+            batches = [[int(i) for i in b] for b in _epoch_of(self.batch_sampler, epoch)]
+            empty = next((k for k, b in enumerate(batches) if not b), None)
+            if empty is not None:  # DataLoader fails on it with default_collate's bare IndexError
+                raise InvalidOptionError(
+                    f"lmdbcache.Loader: batch {empty} of epoch {epoch} from the batch_sampler is empty. A batch "
+                    "needs at least one index (DataLoader fails on it too: default_collate cannot collate an empty "
+                    "list). Make the batch_sampler leave empty batches out."
+                )
+            return batches
         order, size = self.order(epoch), self.batch_size
         stop = len(order) - len(order) % size if self.drop_last else len(order)
         return [order[k : k + size] for k in range(0, stop, size)]
@@ -303,8 +311,9 @@ class Loader:
     def __iter__(self) -> Iterator[Any]:
         if self._closed:
             raise InvalidOptionError("This Loader is closed.")
-        if self._pass is not None:
-            self._pass.stop()  # one pass at a time: a new iter replaces an abandoned one
+        if self._pass is not None:  # one pass at a time: a new iter replaces an abandoned (or running) one
+            self._pass.replaced = True  # its consumer, if it asks again, is told why (``_pass.ended``)
+            self._pass.stop()
         epoch = self.epoch
         batches = self.batches(epoch)
         if self.delivered >= len(batches) > 0:

@@ -626,3 +626,86 @@ def test_close_from_another_thread_ends_the_pass_with_a_clear_error(cache_dir):
     close_mid_pass(ds.loader(2, prefetch=1))
     assert set(threading.enumerate()) <= before
     ds.close()
+
+
+# ---------------------------------------------------------------- edges: nested passes, StopIteration, empty batches
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_nested_loop_over_one_loader_says_a_newer_pass_replaced_it(cache_dir, workers):
+    """iter(loader) inside a loop over it: the outer pass ends saying a newer pass replaced it, not 'closed'."""
+    ds = warm(CachedDataset(Synthetic(40), cache_dir))
+    loader = ds.loader(4, num_workers=workers)
+    with pytest.raises(RuntimeError, match="replaced by a newer pass") as info:
+        for _ in loader:
+            inner = [b[1].tolist() for b in loader]
+    assert "closed" not in str(info.value)
+    assert inner == [list(range(k, k + 4)) for k in range(4, 40, 4)]  # it continued from the outer position
+    loader.close()
+    with pytest.raises(RuntimeError, match="was closed"):  # close() keeps its own message
+        closed = ds.loader(4, num_workers=workers)
+        for _ in closed:
+            closed.close()
+
+
+def stop_at_13(sample):
+    """A transform that raises StopIteration at index 13."""
+    if int(sample[1]) == 13:
+        raise StopIteration("no more crops")
+    return sample
+
+
+def stop_on_batch_2(batch):
+    if int(batch[1][0]) == 8:
+        raise StopIteration("batch_transform gave up")
+    return batch
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stop_iteration_in_a_transform_is_an_error_naming_its_index(cache_dir, workers):
+    """A StopIteration from a per-sample transform ends the pass with StrayStopIterationError naming index 13 and
+    the original exception, on threads and on worker processes; never a silently short epoch."""
+    from lmdbcache import StrayStopIterationError
+
+    warm(CachedDataset(Synthetic(24), cache_dir)).close()
+    ds = CachedDataset.open(cache_dir, transform=stop_at_13)
+    got = []
+    with pytest.raises(StrayStopIterationError) as info:
+        for batch in ds.loader(4, num_workers=workers):
+            got.append(batch)
+    assert len(got) == 3
+    text = " ".join([str(info.value), *getattr(info.value, "__notes__", [])])
+    assert "index 13" in text and "no more crops" in text and "batch 3" in text
+    if workers == 0:  # across processes the cause travels as text (the worker's traceback, in the message)
+        assert isinstance(info.value.__cause__, StopIteration) and str(info.value.__cause__) == "no more crops"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stop_iteration_in_a_batch_transform_is_an_error_naming_its_batch(cache_dir, workers):
+    """A StopIteration from batch_transform ends the pass with StrayStopIterationError naming the batch, its cause
+    the original, with threads or worker processes; no thread stays."""
+    from lmdbcache import StrayStopIterationError
+
+    ds = warm(CachedDataset(Synthetic(24), cache_dir))
+    raised = []
+
+    def run():
+        with pytest.raises(StrayStopIterationError, match="batch_transform on batch 2 of epoch 0") as info:
+            list(ds.loader(4, batch_transform=stop_on_batch_2, num_workers=workers))
+        raised.append(info.value)
+
+    assert not threads_after(run)
+    assert isinstance(raised[0].__cause__, StopIteration) and "gave up" in str(raised[0].__cause__)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_empty_batch_from_a_batch_sampler_is_a_clear_error(cache_dir, workers):
+    """An empty list from a batch_sampler is an InvalidOptionError naming the batch and the fix (DataLoader gives
+    a bare IndexError), before any batch is read."""
+    ds = warm(CachedDataset(Synthetic(10), cache_dir))
+    with pytest.raises(IndexError):  # what DataLoader does with it
+        list(DataLoader(ds, batch_sampler=[[0, 1], [], [2]]))
+    loader = ds.loader(None, batch_sampler=[[0, 1], [], [2]], num_workers=workers)
+    with pytest.raises(InvalidOptionError, match="batch 1 of epoch 0 from the batch_sampler is empty"):
+        iter(loader)
+    loader.close()
