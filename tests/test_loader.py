@@ -157,6 +157,11 @@ def read_indices(monkeypatch):
     return reads
 
 
+def position(state):
+    """(seed, epoch, batches, samples) of a Loader state."""
+    return state["seed"], state["epoch"], state["batches"], state["samples"]
+
+
 def test_resume_mid_epoch_gives_exactly_the_remaining_batches(cache_dir, monkeypatch):
     """A loader restored from state_dict yields the remaining batches, without reading the skipped ones."""
     ds = warm(CachedDataset(Synthetic(50), cache_dir))
@@ -167,13 +172,24 @@ def test_resume_mid_epoch_gives_exactly_the_remaining_batches(cache_dir, monkeyp
             break
     state = first.state_dict()
     first.close()
-    assert state == {"seed": 1, "epoch": 0, "batches": 3}  # received, not prefetched
+    assert state == {  # received, not prefetched; and what the position means
+        "seed": 1,
+        "epoch": 0,
+        "batches": 3,
+        "samples": 24,
+        "sampler": "default",
+        "batch_size": 8,
+        "shuffle": True,
+        "drop_last": False,
+        "rank": None,
+        "world_size": None,
+    }
     reads = read_indices(monkeypatch)
     second = ds.loader(8, shuffle=True, seed=0)
     second.load_state_dict(state)
     same(list(second), want[3:])
     assert reads == [b[1].tolist() for b in want[3:]]
-    assert second.state_dict() == {"seed": 1, "epoch": 1, "batches": 0}
+    assert position(second.state_dict()) == (1, 1, 0, 0)
 
 
 def test_two_resumes_in_a_row_and_at_the_end_of_an_epoch(cache_dir):
@@ -192,7 +208,75 @@ def test_two_resumes_in_a_row_and_at_the_end_of_an_epoch(cache_dir):
         state = loader.state_dict()
         loader.close()
     same(got, want[:9])
-    assert state == {"seed": 3, "epoch": 1, "batches": 2}
+    assert position(state) == (3, 1, 2, 16)
+
+
+def labels_after(loader, state):
+    """The labels of every batch a loader gives after load_state_dict(state), flattened."""
+    loader.load_state_dict(state)
+    got = torch.cat([b[1] for b in loader]).tolist()
+    loader.close()
+    return got
+
+
+def stopped_after(loader, batches):
+    """The loader's state after the consumer received ``batches`` batches."""
+    for k, _ in enumerate(loader, 1):
+        if k == batches:
+            break
+    state = loader.state_dict()
+    loader.close()
+    return state
+
+
+def test_a_state_resumes_at_the_same_sample_with_another_batch_size(cache_dir):
+    """A state saved with batch size 16 resumes at the same sample with 32 (and 8): no sample skipped or repeated;
+    a position that is not a whole number of the new batches is refused, naming both sizes."""
+    ds = warm(CachedDataset(Synthetic(100), cache_dir))
+    order = torch.cat([b[1] for b in reference(ds, 16, seed=2, shuffle=True)]).tolist()
+    state = stopped_after(ds.loader(16, shuffle=True, seed=2), 4)  # 64 samples
+    assert labels_after(ds.loader(32, shuffle=True, seed=2), state) == order[64:]
+    assert labels_after(ds.loader(8, shuffle=True, seed=2), state) == order[64:]
+    odd = stopped_after(ds.loader(16, shuffle=True, seed=2), 3)  # 48 samples: one and a half batches of 32
+    with pytest.raises(InvalidOptionError, match=r"batch_size=16 after 48 samples .* batch_size=32"):
+        ds.loader(32, shuffle=True, seed=2).load_state_dict(odd)
+    end = stopped_after(ds.loader(16, shuffle=True, seed=2), 7)  # the whole epoch: 100 samples, the last 4 alone
+    loader = ds.loader(32, shuffle=True, seed=2)
+    loader.load_state_dict(end)
+    assert position(loader.state_dict()) == (2, 1, 0, 0)
+    loader.close()
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded", "field"),
+    [
+        ({"shuffle": True}, {"shuffle": False}, "shuffle"),
+        ({"drop_last": True}, {}, "drop_last"),
+        ({"rank": 0, "world_size": 2}, {"rank": 1, "world_size": 2}, "rank"),
+        ({"rank": 0, "world_size": 2}, {"rank": 0, "world_size": 4}, "world_size"),
+        ({}, {"sampler": list(range(50))}, "sampler"),
+        ({"batch_size": None, "batch_sampler": [[k, k + 1] for k in range(0, 50, 2)]}, {}, "sampler"),
+    ],
+)
+def test_a_state_saved_with_other_settings_is_refused(cache_dir, saved, loaded, field):
+    """A state whose position means other samples here (shuffle, drop_last, rank, world size, sampler kind) is
+    refused with an InvalidOptionError naming the field, both values and the fix; the position is unchanged."""
+    ds = warm(CachedDataset(Synthetic(50), cache_dir))
+    size = {"batch_size": 5}
+    state = stopped_after(ds.loader(**{**size, **saved}), 3)
+    loader = ds.loader(**{**size, **loaded})
+    with pytest.raises(InvalidOptionError, match=rf"saved with {field}=.*but this loader has {field}=.*set_epoch"):
+        loader.load_state_dict(state)
+    assert position(loader.state_dict()) == (0, 0, 0, 0)
+    loader.close()
+
+
+def test_a_state_without_the_new_fields_still_loads(cache_dir):
+    """A state saved by an earlier lmdbcache ({seed, epoch, batches} only) loads as before and resumes there."""
+    ds = warm(CachedDataset(Synthetic(50), cache_dir))
+    order = torch.cat([b[1] for b in reference(ds, 8, seed=1, shuffle=True)]).tolist()
+    loader = ds.loader(8, shuffle=True, seed=0)
+    assert labels_after(loader, {"seed": 1, "epoch": 0, "batches": 3}) == order[24:]
 
 
 def test_a_kept_batch_is_never_overwritten(cache_dir, copies):
