@@ -171,7 +171,9 @@ class Loader:
     pass continues there. ``set_epoch(e)`` moves to the start of epoch ``e``.
     ``state_dict()`` is that position; ``load_state_dict()`` restores it without reading the
     batches before it. A batch counts as delivered when the consumer receives it, not when it
-    is prefetched.
+    is prefetched. One pass runs at a time: ``iter(loader)`` during a pass (a loop over the
+    loader inside a loop over it) starts a new pass at the position and ends the old one, whose
+    consumer is told so at its next batch (a second Loader serves a nested loop).
 
     ``batch_transform`` runs on the planner thread on every whole batch. See the module
     docstring for threads, buffer reuse, pinned memory (``pin_memory``; ``record_event``: a

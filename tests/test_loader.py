@@ -745,8 +745,8 @@ def stop_on_batch_2(batch):
     return batch
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_stop_iteration_in_a_transform_is_an_error_naming_its_index(cache_dir, workers):
+@pytest.mark.parametrize(("workers", "context"), [(0, None), (2, "fork"), (2, "spawn")])
+def test_stop_iteration_in_a_transform_is_an_error_naming_its_index(cache_dir, workers, context):
     """A StopIteration from a per-sample transform ends the pass with StrayStopIterationError naming index 13 and
     the original exception, on threads and on worker processes; never a silently short epoch."""
     from lmdbcache import StrayStopIterationError
@@ -755,7 +755,7 @@ def test_stop_iteration_in_a_transform_is_an_error_naming_its_index(cache_dir, w
     ds = CachedDataset.open(cache_dir, transform=stop_at_13)
     got = []
     with pytest.raises(StrayStopIterationError) as info:
-        for batch in ds.loader(4, num_workers=workers):
+        for batch in ds.loader(4, num_workers=workers, multiprocessing_context=context):
             got.append(batch)
     assert len(got) == 3
     text = " ".join([str(info.value), *getattr(info.value, "__notes__", [])])
