@@ -28,6 +28,7 @@ from .errors import (
     SampleNotCachedError,
     SourceItemError,
     SpecError,
+    StrayStopIterationError,
     UnsupportedSampleError,
 )
 
@@ -58,6 +59,7 @@ __all__ = [
     "SampleNotCachedError",
     "SourceItemError",
     "SpecError",
+    "StrayStopIterationError",
     "UnsupportedSampleError",
     "__version__",
     "collate",

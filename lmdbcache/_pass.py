@@ -28,7 +28,7 @@ from torch.utils.data._utils.collate import default_collate
 from torch.utils.data._utils.pin_memory import pin_memory as pin_batch
 
 from ._gather import Buffers, Layout, layout_of
-from .errors import add_note
+from .errors import StrayStopIterationError, add_note
 from .store import MISSING
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ def _new_rng_lock() -> None:
 os.register_at_fork(after_in_child=_new_rng_lock)
 _U64 = (1 << 64) - 1
 
-__all__ = ["INLINE", "Pass", "Ring", "current_stream_event", "one_by_one", "stamp", "together"]
+__all__ = ["INLINE", "Pass", "Ring", "current_stream_event", "ended", "one_by_one", "stamp", "stray", "together"]
 
 # A batch smaller than this is copied by the planner thread itself: its per-sample work holds
 # the GIL anyway, and the hand-off to the pool cost more than it saved (3x32x32, batch 64:
@@ -102,18 +102,21 @@ class Pass:
         self.ds = loader.dataset
         self.out: queue.Queue[Any] = queue.Queue(maxsize=loader.prefetch)
         self.stopping = threading.Event()
+        self.replaced = False  # set by the Loader when a newer pass of it starts (see ``ended``)
         self.pool = ThreadPoolExecutor(loader.num_threads, thread_name_prefix="lmdbcache-copy")
         self.planner = threading.Thread(target=self._plan, name="lmdbcache-planner", daemon=True)
         self.planner.start()
 
     def get(self) -> Any:
         while True:
+            if self.stopping.is_set():  # a batch the planner put while stop() drained is not this pass's to give
+                return ended(self.replaced)
             try:
                 return self.out.get(timeout=0.1)
             except queue.Empty:
                 if not self.planner.is_alive() and self.out.empty():
-                    if self.stopping.is_set():  # close() from another thread: the pass ends here
-                        return RuntimeError("lmdbcache.Loader was closed while this pass was running.")
+                    if self.stopping.is_set():  # close(), or a newer pass: this one ends here
+                        return ended(self.replaced)
                     return RuntimeError("lmdbcache.Loader: the planner thread ended without a batch")
 
     def stop(self) -> None:
@@ -149,7 +152,10 @@ class Pass:
                         batch = pin_batch(batch)  # type: ignore[no-untyped-call]  # per batch: fallback only
                 transform = self.loader.batch_transform
                 if transform is not None:
-                    batch = transform(batch)
+                    try:
+                        batch = transform(batch)
+                    except StopIteration as exc:
+                        raise stray(exc, f"batch_transform on batch {k} of epoch {self.epoch}") from exc
             except BaseException as exc:  # re-raised in the consumer
                 add_note(exc, f"lmdbcache.Loader: raised loading batch {k} of epoch {self.epoch} (indices {indices})")
                 self._put(exc)
@@ -207,6 +213,30 @@ class Pass:
         return default_collate(samples)  # type: ignore[no-untyped-call]
 
 
+def ended(replaced: bool) -> RuntimeError:
+    """Why a pass stopped under its consumer: a newer pass of the same Loader replaced it, or close()."""
+    if replaced:
+        return RuntimeError(
+            "lmdbcache.Loader: this pass was replaced by a newer pass of the same Loader: iter(loader) was called "
+            "again while it ran (a loop over the loader inside a loop over it, or next(iter(loader))), and a Loader "
+            "runs one pass at a time, at its own position. Use a second Loader (the same arguments) for the inner "
+            "loop."
+        )
+    return RuntimeError("lmdbcache.Loader was closed while this pass was running.")
+
+
+def stray(exc: StopIteration, where: str) -> StrayStopIterationError:
+    """A ``StopIteration`` from user code at ``where``, as an error that neither ends the consumer's loop nor
+    becomes a bare "generator raised StopIteration" (PEP 479); ``exc`` is its cause."""
+    error = StrayStopIterationError(
+        f"lmdbcache.Loader: {where} raised StopIteration ({exc!r}). Inside a pass it would end the consumer's "
+        "loop early or become 'generator raised StopIteration', so it is raised as this error (the original is "
+        "its __cause__). Raise another exception there: StopIteration means 'no more items' to every for loop."
+    )
+    error.__cause__, error.__suppress_context__ = exc, True
+    return error
+
+
 def current_stream_event() -> Any:
     return torch.cuda.current_stream().record_event()
 
@@ -217,7 +247,10 @@ def stamp(slots: list[Buffers], event: Any) -> None:
 
 
 def together(ds: CachedDataset, indices: list[int]) -> list[Any]:
-    return ds.__getitems__(indices)
+    try:
+        return ds.__getitems__(indices)
+    except StopIteration as exc:  # from the source dataset, filling a miss
+        raise stray(exc, f"the dataset reading indices {indices}") from exc
 
 
 def one_by_one(ds: CachedDataset, indices: list[int], seeds: tuple[int, int] | None = None) -> list[Any]:
@@ -229,6 +262,8 @@ def one_by_one(ds: CachedDataset, indices: list[int], seeds: tuple[int, int] | N
             else:
                 with _seeded(*seeds, index):
                     out.append(ds[index])
+        except StopIteration as exc:
+            raise stray(exc, f"the dataset (or its transform) at index {index}") from exc
         except Exception as exc:
             add_note(exc, f"lmdbcache.Loader: raised by the dataset (or its transform) at index {index}")
             raise

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from ._collate import collate
-from ._pass import one_by_one
+from ._pass import ended, one_by_one, stray
 from .errors import InvalidOptionError, add_note
 
 if TYPE_CHECKING:
@@ -58,6 +58,7 @@ class WorkerPass:
     def __init__(self, loader: Loader, epoch: int, batches: list[list[int]], start: int) -> None:
         ds, count = loader.dataset, loader.worker_processes
         self.loader, self.epoch, self.next = loader, epoch, start
+        self.replaced = False  # set by the Loader when a newer pass of it starts (see ``_pass.ended``)
         transformed = ds.transform is not None
         items: list[list[Any]] = batches[start:]
         if transformed:
@@ -89,19 +90,27 @@ class WorkerPass:
         k, self.next = self.next, self.next + 1
         iterator = self.iterator
         if iterator is None:
-            return RuntimeError("lmdbcache.Loader was closed while this pass was running.")
+            return ended(self.replaced)
         try:
             batch = next(iterator)
-            transform = self.loader.batch_transform
-            if transform is not None:
-                batch = transform(batch)
-        except StopIteration:
+        except StopIteration as exc:
+            if exc.args:  # a worker's StopIteration, re-raised by the DataLoader as type(exc)(its traceback)
+                return stray(exc, f"the dataset in a worker process loading batch {k} of epoch {self.epoch}")
             return RuntimeError("lmdbcache.Loader: the workers ended the pass early")
         except BaseException as exc:  # re-raised in the consumer, as on the threads
             if self.iterator is None:  # close() from another thread shut the workers down under next()
-                return RuntimeError("lmdbcache.Loader was closed while this pass was running.")
+                return ended(self.replaced)
             add_note(exc, f"lmdbcache.Loader: raised loading batch {k} of epoch {self.epoch} (on a worker process)")
             return exc
+        transform = self.loader.batch_transform
+        if transform is not None:
+            try:
+                batch = transform(batch)
+            except StopIteration as exc:
+                return stray(exc, f"batch_transform on batch {k} of epoch {self.epoch}")
+            except BaseException as exc:
+                add_note(exc, f"lmdbcache.Loader: raised by batch_transform on batch {k} of epoch {self.epoch}")
+                return exc
         return batch, []
 
     def stop(self) -> None:

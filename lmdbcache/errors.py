@@ -20,6 +20,7 @@ Each one also subclasses the builtin a caller would already catch::
     ├── SpecError(ValueError)                   a precompute SPEC that does not give a dataset
     ├── NondeterministicDatasetError(ValueError) the source returned two different samples for one index
     ├── SourceItemError(RuntimeError)           the source raised while precompute read an index
+    ├── StrayStopIterationError(RuntimeError)   a dataset or transform raised StopIteration inside a Loader pass
     └── MissingExtraError(ImportError)          a compressed cache, and the extra that reads it is not installed
 
 ``LmdbCacheWarning(UserWarning)`` is for situations that work but deserve attention
@@ -48,6 +49,7 @@ __all__ = [
     "SampleNotCachedError",
     "SourceItemError",
     "SpecError",
+    "StrayStopIterationError",
     "UnsupportedSampleError",
 ]
 
@@ -110,6 +112,15 @@ class NondeterministicDatasetError(LmdbCacheError, ValueError):
 
 class SourceItemError(LmdbCacheError, RuntimeError):
     """The wrapped dataset raised while precompute was reading one index (what was written is kept)."""
+
+
+class StrayStopIterationError(LmdbCacheError, RuntimeError):
+    """A dataset, ``transform`` or ``batch_transform`` raised ``StopIteration`` while a ``Loader`` built a batch.
+
+    Left as it is, it would end the consumer's ``for`` loop early or become Python's bare
+    "generator raised StopIteration"; this error names the index or batch instead, and the
+    original is its ``__cause__``.
+    """
 
 
 class MissingExtraError(LmdbCacheError, ImportError):

@@ -61,6 +61,7 @@ epoch; ``multiprocessing_context`` as in DataLoader).
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -95,6 +96,22 @@ def _world(rank: int | None, world_size: int | None) -> tuple[int, int] | None:
     if not (type(world_size) is int and world_size >= 1 and type(rank) is int and 0 <= rank < world_size):
         raise InvalidOptionError(f"rank must be in [0, world_size) and world_size >= 1, not {rank!r}, {world_size!r}.")
     return rank, world_size
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning issued by the caller point at the first frame outside lmdbcache.
+
+    ``Loader(...)`` and ``ds.loader(...)`` reach the warning through different depths; a fixed
+    stacklevel named ``dataset.py`` for the second. (Python 3.12's ``skip_file_prefixes`` does this.)
+    """
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame = inspect.currentframe()
+    if frame is None:  # an interpreter without frame objects: the caller's caller, as before
+        return 2
+    frame, level = frame.f_back, 1  # the frame that calls warnings.warn is level 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _check_options(
@@ -154,7 +171,9 @@ class Loader:
     pass continues there. ``set_epoch(e)`` moves to the start of epoch ``e``.
     ``state_dict()`` is that position; ``load_state_dict()`` restores it without reading the
     batches before it. A batch counts as delivered when the consumer receives it, not when it
-    is prefetched.
+    is prefetched. One pass runs at a time: ``iter(loader)`` during a pass (a loop over the
+    loader inside a loop over it) starts a new pass at the position and ends the old one, whose
+    consumer is told so at its next batch (a second Loader serves a nested loop).
 
     ``batch_transform`` runs on the planner thread on every whole batch. See the module
     docstring for threads, buffer reuse, pinned memory (``pin_memory``; ``record_event``: a
@@ -201,13 +220,13 @@ class Loader:
         self.world = None if custom and rank is None else _world(rank, world_size)
         if custom and self.world is not None:
             raise InvalidOptionError("With a sampler or batch_sampler, split the data across ranks in the sampler.")
-        self.epoch, self.delivered = 0, 0
+        self.epoch, self.delivered, self.samples = 0, 0, 0  # samples: in the batches delivered this epoch
         self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
         if pin_memory and not self.pin_memory:
             warnings.warn(
                 "lmdbcache.Loader: pin_memory=True but CUDA is not available; batches are not pinned.",
                 LmdbCacheWarning,
-                stacklevel=2,
+                stacklevel=_user_stacklevel(),
             )
         if record_event is None and self.pin_memory:
             record_event = current_stream_event
@@ -245,7 +264,15 @@ class Loader:
     def batches(self, epoch: int) -> list[list[int]]:
         """This rank's batches of indices for ``epoch``."""
         if self.batch_sampler is not None:
-            return [[int(i) for i in b] for b in _epoch_of(self.batch_sampler, epoch)]
+            batches = [[int(i) for i in b] for b in _epoch_of(self.batch_sampler, epoch)]
+            empty = next((k for k, b in enumerate(batches) if not b), None)
+            if empty is not None:  # DataLoader fails on it with default_collate's bare IndexError
+                raise InvalidOptionError(
+                    f"lmdbcache.Loader: batch {empty} of epoch {epoch} from the batch_sampler is empty. A batch "
+                    "needs at least one index (DataLoader fails on it too: default_collate cannot collate an empty "
+                    "list). Make the batch_sampler leave empty batches out."
+                )
+            return batches
         order, size = self.order(epoch), self.batch_size
         stop = len(order) - len(order) % size if self.drop_last else len(order)
         return [order[k : k + size] for k in range(0, stop, size)]
@@ -263,35 +290,88 @@ class Loader:
         """Start the next pass at the first batch of ``epoch``."""
         if type(epoch) is not int or epoch < 0:
             raise InvalidOptionError(f"epoch must be an int >= 0, not {epoch!r}.")
-        self.epoch, self.delivered = epoch, 0
+        self.epoch, self.delivered, self.samples = epoch, 0, 0
 
-    def state_dict(self) -> dict[str, int]:
-        """{seed, epoch, batches}: the batches of ``epoch`` the consumer has received."""
-        return {"seed": self.seed, "epoch": self.epoch, "batches": self.delivered}
+    def state_dict(self) -> dict[str, Any]:
+        """The position: {seed, epoch, batches} (the batches of ``epoch`` the consumer has received), ``samples``
+        in them, and what the position means: batch_size, shuffle, drop_last, rank, world_size, sampler."""
+        rank, world_size = self.world if self.world is not None else (None, None)
+        return {
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "batches": self.delivered,
+            "samples": self.samples,
+            **self._order_kind(),
+            "rank": rank,
+            "world_size": world_size,
+        }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue at the batch after ``state``'s (the next epoch's first if it was the last); nothing is read."""
+    def _order_kind(self) -> dict[str, Any]:
+        """What, besides seed and epoch, decides which samples the first k batches of an epoch hold."""
+        kind = "batch_sampler" if self.batch_sampler is not None else "sampler" if self.sampler is not None else None
+        return {
+            "sampler": kind or "default",
+            "batch_size": None if kind == "batch_sampler" else self.batch_size,  # the batch_sampler's own
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at the batch after ``state``'s (the next epoch's first if it was the last); nothing is read.
+
+        A state saved with another shuffle, drop_last, rank, world_size or kind of sampler is refused
+        (its batches would be other samples here). Another batch_size is converted exactly, by the
+        samples received, when they fill whole batches of this one; otherwise it is refused. A state
+        without these fields (from an earlier lmdbcache) is taken as it is.
+        """
         try:
             seed, epoch, delivered = state["seed"], state["epoch"], state["batches"]
         except (KeyError, TypeError):
             raise InvalidOptionError(f"A Loader state is a dict with seed, epoch and batches, not {state!r}.") from None
         if not all(type(v) is int for v in (seed, epoch, delivered)) or epoch < 0 or delivered < 0:
             raise InvalidOptionError(f"A Loader state holds ints (epoch, batches >= 0), not {state!r}.")
-        self.seed, self.epoch, self.delivered = seed, epoch, delivered
+        rank, world_size = self.world if self.world is not None else (None, None)
+        mine = {**self._order_kind(), "rank": rank, "world_size": world_size}
+        where = f"batch {delivered} of epoch {epoch}"
+        for field in ("sampler", "shuffle", "drop_last", "rank", "world_size"):
+            if field in state and state[field] != mine[field]:
+                raise InvalidOptionError(
+                    f"This Loader state was saved with {field}={state[field]!r}, but this loader has "
+                    f"{field}={mine[field]!r}: its position ({where}) would be other samples here (some skipped, "
+                    f"some repeated). Create the loader with {field}={state[field]!r} to resume, or call "
+                    f"set_epoch({epoch + 1}) instead of load_state_dict to start the next epoch afresh."
+                )
+        samples = state.get("samples")
+        size = state.get("batch_size", mine["batch_size"])
+        if samples is None:
+            samples = delivered * size if type(size) is int else 0  # a state from before samples were counted
+        if type(samples) is not int or samples < 0:
+            raise InvalidOptionError(f"A Loader state's samples is an int >= 0, not {state!r}.")
+        if size != mine["batch_size"]:
+            if type(size) is not int or (samples % self.batch_size and samples < len(self.order(epoch))):
+                raise InvalidOptionError(
+                    f"This Loader state was saved with batch_size={size!r} after {samples} samples of epoch "
+                    f"{epoch} ({where}), which is not a whole number of batches of this loader's "
+                    f"batch_size={self.batch_size}. Create the loader with batch_size={size!r} to resume, or call "
+                    f"set_epoch({epoch + 1}) instead of load_state_dict to start the next epoch afresh."
+                )
+            delivered = -(-samples // self.batch_size)  # samples received, counted in this loader's batches
+        self.seed, self.epoch, self.delivered, self.samples = seed, epoch, delivered, samples
         if delivered >= len(self):
-            self.epoch, self.delivered = epoch + 1, 0
+            self.epoch, self.delivered, self.samples = epoch + 1, 0, 0
 
     # ------------------------------------------------------------------ passes
 
     def __iter__(self) -> Iterator[Any]:
         if self._closed:
             raise InvalidOptionError("This Loader is closed.")
-        if self._pass is not None:
-            self._pass.stop()  # one pass at a time: a new iter replaces an abandoned one
+        if self._pass is not None:  # one pass at a time: a new iter replaces an abandoned (or running) one
+            self._pass.replaced = True  # its consumer, if it asks again, is told why (``_pass.ended``)
+            self._pass.stop()
         epoch = self.epoch
         batches = self.batches(epoch)
         if self.delivered >= len(batches) > 0:
-            epoch, self.epoch, self.delivered = epoch + 1, epoch + 1, 0
+            epoch, self.epoch, self.delivered, self.samples = epoch + 1, epoch + 1, 0, 0
             batches = self.batches(epoch)
         return self._run(epoch, batches, self.delivered)
 
@@ -314,13 +394,13 @@ class Loader:
                     raise item
                 batch, slots = item
                 del item
-                self.delivered = k + 1
+                self.delivered, self.samples = k + 1, self.samples + len(batches[k])
                 yield batch
                 # The consumer asks for the next batch: its device copies of this one are queued.
                 if record is not None and slots:
                     stamp(slots, record())
                 del batch
-            self.epoch, self.delivered = epoch + 1, 0
+            self.epoch, self.delivered, self.samples = epoch + 1, 0, 0
         finally:
             if record is not None and slots and slots[0].event is None:
                 stamp(slots, record())  # the last batch (or the one a break left): same rule

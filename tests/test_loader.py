@@ -157,6 +157,11 @@ def read_indices(monkeypatch):
     return reads
 
 
+def position(state):
+    """(seed, epoch, batches, samples) of a Loader state."""
+    return state["seed"], state["epoch"], state["batches"], state["samples"]
+
+
 def test_resume_mid_epoch_gives_exactly_the_remaining_batches(cache_dir, monkeypatch):
     """A loader restored from state_dict yields the remaining batches, without reading the skipped ones."""
     ds = warm(CachedDataset(Synthetic(50), cache_dir))
@@ -167,13 +172,24 @@ def test_resume_mid_epoch_gives_exactly_the_remaining_batches(cache_dir, monkeyp
             break
     state = first.state_dict()
     first.close()
-    assert state == {"seed": 1, "epoch": 0, "batches": 3}  # received, not prefetched
+    assert state == {  # received, not prefetched; and what the position means
+        "seed": 1,
+        "epoch": 0,
+        "batches": 3,
+        "samples": 24,
+        "sampler": "default",
+        "batch_size": 8,
+        "shuffle": True,
+        "drop_last": False,
+        "rank": None,
+        "world_size": None,
+    }
     reads = read_indices(monkeypatch)
     second = ds.loader(8, shuffle=True, seed=0)
     second.load_state_dict(state)
     same(list(second), want[3:])
     assert reads == [b[1].tolist() for b in want[3:]]
-    assert second.state_dict() == {"seed": 1, "epoch": 1, "batches": 0}
+    assert position(second.state_dict()) == (1, 1, 0, 0)
 
 
 def test_two_resumes_in_a_row_and_at_the_end_of_an_epoch(cache_dir):
@@ -192,7 +208,75 @@ def test_two_resumes_in_a_row_and_at_the_end_of_an_epoch(cache_dir):
         state = loader.state_dict()
         loader.close()
     same(got, want[:9])
-    assert state == {"seed": 3, "epoch": 1, "batches": 2}
+    assert position(state) == (3, 1, 2, 16)
+
+
+def labels_after(loader, state):
+    """The labels of every batch a loader gives after load_state_dict(state), flattened."""
+    loader.load_state_dict(state)
+    got = torch.cat([b[1] for b in loader]).tolist()
+    loader.close()
+    return got
+
+
+def stopped_after(loader, batches):
+    """The loader's state after the consumer received ``batches`` batches."""
+    for k, _ in enumerate(loader, 1):
+        if k == batches:
+            break
+    state = loader.state_dict()
+    loader.close()
+    return state
+
+
+def test_a_state_resumes_at_the_same_sample_with_another_batch_size(cache_dir):
+    """A state saved with batch size 16 resumes at the same sample with 32 (and 8): no sample skipped or repeated;
+    a position that is not a whole number of the new batches is refused, naming both sizes."""
+    ds = warm(CachedDataset(Synthetic(100), cache_dir))
+    order = torch.cat([b[1] for b in reference(ds, 16, seed=2, shuffle=True)]).tolist()
+    state = stopped_after(ds.loader(16, shuffle=True, seed=2), 4)  # 64 samples
+    assert labels_after(ds.loader(32, shuffle=True, seed=2), state) == order[64:]
+    assert labels_after(ds.loader(8, shuffle=True, seed=2), state) == order[64:]
+    odd = stopped_after(ds.loader(16, shuffle=True, seed=2), 3)  # 48 samples: one and a half batches of 32
+    with pytest.raises(InvalidOptionError, match=r"batch_size=16 after 48 samples .* batch_size=32"):
+        ds.loader(32, shuffle=True, seed=2).load_state_dict(odd)
+    end = stopped_after(ds.loader(16, shuffle=True, seed=2), 7)  # the whole epoch: 100 samples, the last 4 alone
+    loader = ds.loader(32, shuffle=True, seed=2)
+    loader.load_state_dict(end)
+    assert position(loader.state_dict()) == (2, 1, 0, 0)
+    loader.close()
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded", "field"),
+    [
+        ({"shuffle": True}, {"shuffle": False}, "shuffle"),
+        ({"drop_last": True}, {}, "drop_last"),
+        ({"rank": 0, "world_size": 2}, {"rank": 1, "world_size": 2}, "rank"),
+        ({"rank": 0, "world_size": 2}, {"rank": 0, "world_size": 4}, "world_size"),
+        ({}, {"sampler": list(range(50))}, "sampler"),
+        ({"batch_size": None, "batch_sampler": [[k, k + 1] for k in range(0, 50, 2)]}, {}, "sampler"),
+    ],
+)
+def test_a_state_saved_with_other_settings_is_refused(cache_dir, saved, loaded, field):
+    """A state whose position means other samples here (shuffle, drop_last, rank, world size, sampler kind) is
+    refused with an InvalidOptionError naming the field, both values and the fix; the position is unchanged."""
+    ds = warm(CachedDataset(Synthetic(50), cache_dir))
+    size = {"batch_size": 5}
+    state = stopped_after(ds.loader(**{**size, **saved}), 3)
+    loader = ds.loader(**{**size, **loaded})
+    with pytest.raises(InvalidOptionError, match=rf"saved with {field}=.*but this loader has {field}=.*set_epoch"):
+        loader.load_state_dict(state)
+    assert position(loader.state_dict()) == (0, 0, 0, 0)
+    loader.close()
+
+
+def test_a_state_without_the_new_fields_still_loads(cache_dir):
+    """A state saved by an earlier lmdbcache ({seed, epoch, batches} only) loads as before and resumes there."""
+    ds = warm(CachedDataset(Synthetic(50), cache_dir))
+    order = torch.cat([b[1] for b in reference(ds, 8, seed=1, shuffle=True)]).tolist()
+    loader = ds.loader(8, shuffle=True, seed=0)
+    assert labels_after(loader, {"seed": 1, "epoch": 0, "batches": 3}) == order[24:]
 
 
 def test_a_kept_batch_is_never_overwritten(cache_dir, copies):
@@ -439,6 +523,17 @@ def test_pin_memory_without_cuda_warns_and_is_ignored(cache_dir):
     loader.close()
 
 
+def test_the_pin_memory_warning_points_at_the_users_line(cache_dir):
+    """The pin_memory warning names the caller's file, through ds.loader(...) as through Loader(...)."""
+    from lmdbcache import Loader
+
+    ds = warm(CachedDataset(Synthetic(4), cache_dir))
+    for make in (lambda: ds.loader(2, pin_memory=True), lambda: Loader(ds, 2, pin_memory=True)):
+        with pytest.warns(LmdbCacheWarning, match="pin_memory") as caught:
+            make().close()
+        assert [w.filename for w in caught] == [__file__]
+
+
 def random_transform(sample):
     """A random augmentation drawing from the three global generators."""
     import random
@@ -615,3 +710,86 @@ def test_close_from_another_thread_ends_the_pass_with_a_clear_error(cache_dir):
     close_mid_pass(ds.loader(2, prefetch=1))
     assert set(threading.enumerate()) <= before
     ds.close()
+
+
+# ---------------------------------------------------------------- edges: nested passes, StopIteration, empty batches
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_nested_loop_over_one_loader_says_a_newer_pass_replaced_it(cache_dir, workers):
+    """iter(loader) inside a loop over it: the outer pass ends saying a newer pass replaced it, not 'closed'."""
+    ds = warm(CachedDataset(Synthetic(40), cache_dir))
+    loader = ds.loader(4, num_workers=workers)
+    with pytest.raises(RuntimeError, match="replaced by a newer pass") as info:
+        for _ in loader:
+            inner = [b[1].tolist() for b in loader]
+    assert "closed" not in str(info.value)
+    assert inner == [list(range(k, k + 4)) for k in range(4, 40, 4)]  # it continued from the outer position
+    loader.close()
+    with pytest.raises(RuntimeError, match="was closed"):  # close() keeps its own message
+        closed = ds.loader(4, num_workers=workers)
+        for _ in closed:
+            closed.close()
+
+
+def stop_at_13(sample):
+    """A transform that raises StopIteration at index 13."""
+    if int(sample[1]) == 13:
+        raise StopIteration("no more crops")
+    return sample
+
+
+def stop_on_batch_2(batch):
+    if int(batch[1][0]) == 8:
+        raise StopIteration("batch_transform gave up")
+    return batch
+
+
+@pytest.mark.parametrize(("workers", "context"), [(0, None), (2, "fork"), (2, "spawn")])
+def test_stop_iteration_in_a_transform_is_an_error_naming_its_index(cache_dir, workers, context):
+    """A StopIteration from a per-sample transform ends the pass with StrayStopIterationError naming index 13 and
+    the original exception, on threads and on worker processes; never a silently short epoch."""
+    from lmdbcache import StrayStopIterationError
+
+    warm(CachedDataset(Synthetic(24), cache_dir)).close()
+    ds = CachedDataset.open(cache_dir, transform=stop_at_13)
+    got = []
+    with pytest.raises(StrayStopIterationError) as info:
+        for batch in ds.loader(4, num_workers=workers, multiprocessing_context=context):
+            got.append(batch)
+    assert len(got) == 3
+    text = " ".join([str(info.value), *getattr(info.value, "__notes__", [])])
+    assert "index 13" in text and "no more crops" in text and "batch 3" in text
+    if workers == 0:  # across processes the cause travels as text (the worker's traceback, in the message)
+        assert isinstance(info.value.__cause__, StopIteration) and str(info.value.__cause__) == "no more crops"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stop_iteration_in_a_batch_transform_is_an_error_naming_its_batch(cache_dir, workers):
+    """A StopIteration from batch_transform ends the pass with StrayStopIterationError naming the batch, its cause
+    the original, with threads or worker processes; no thread stays."""
+    from lmdbcache import StrayStopIterationError
+
+    ds = warm(CachedDataset(Synthetic(24), cache_dir))
+    raised = []
+
+    def run():
+        with pytest.raises(StrayStopIterationError, match="batch_transform on batch 2 of epoch 0") as info:
+            list(ds.loader(4, batch_transform=stop_on_batch_2, num_workers=workers))
+        raised.append(info.value)
+
+    assert not threads_after(run)
+    assert isinstance(raised[0].__cause__, StopIteration) and "gave up" in str(raised[0].__cause__)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_empty_batch_from_a_batch_sampler_is_a_clear_error(cache_dir, workers):
+    """An empty list from a batch_sampler is an InvalidOptionError naming the batch and the fix (DataLoader gives
+    a bare IndexError), before any batch is read."""
+    ds = warm(CachedDataset(Synthetic(10), cache_dir))
+    with pytest.raises(IndexError):  # what DataLoader does with it
+        list(DataLoader(ds, batch_sampler=[[0, 1], [], [2]]))
+    loader = ds.loader(None, batch_sampler=[[0, 1], [], [2]], num_workers=workers)
+    with pytest.raises(InvalidOptionError, match="batch 1 of epoch 0 from the batch_sampler is empty"):
+        iter(loader)
+    loader.close()
