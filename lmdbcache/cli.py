@@ -172,6 +172,13 @@ def _precompute_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--overwrite", action="store_true", help="empty an existing cache and rebuild it")
     p.add_argument(
+        "--spot-check",
+        type=_int_at_least(0, " (0 skips the check)"),
+        default=2,
+        metavar="K",
+        help="decode K cached indices of an existing cache again and refuse it if they differ (default 2; 0 skips)",
+    )
+    p.add_argument(
         "--check-determinism",
         type=_int_at_least(0, " (0 skips the check)"),
         default=3,
@@ -199,10 +206,10 @@ def _precompute_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pack",
         type=_int_at_least(0, " (0: one record per sample)"),
-        default=64,
+        default=None,
         metavar="K",
         help="store each K consecutive samples under 16 KiB as one record in a new cache (default 64; 0: one "
-        "record per sample; see README 'Packs')",
+        "record per sample; see README 'Packs'); an existing cache keeps its own, another K is refused",
     )
 
 
@@ -213,6 +220,11 @@ def _bar(total: int | None, unit: str, quiet: bool, **kwargs: Any) -> Any:
 
 
 def _precompute(args: argparse.Namespace) -> int:
+    codec = args.compress[0]
+    if codec is not None:  # before the SPEC is loaded and anything is created
+        from ._frames import require
+
+        require(codec, asked=f"`--compress {codec}`")
     with _interrupt_not_lost():
         from ._precompute import precompute  # imports torch, the SPEC's module too
         from ._spec import load_spec, parse_args_kv
@@ -233,6 +245,7 @@ def _precompute(args: argparse.Namespace) -> int:
         compress=args.compress[0],
         compress_level=args.compress[1],
         pack=args.pack,
+        spot_check=args.spot_check,
     )
     print(result.summary())
     return 130 if result.interrupted else 0
@@ -452,11 +465,21 @@ def _run(args: argparse.Namespace) -> int:
 _HAS_OVERWRITE = {"precompute", "copy"}
 
 
+_FLAGS = (
+    ("Leave pack= out", "Leave out --pack"),
+    ("without compress=", "without --compress"),
+    ("with a fingerprint= that", "with a --fingerprint that"),
+    ("(spot_check=0 skips this check.)", "(--spot-check 0 skips this check.)"),
+)
+
+
 def _cli_words(command: str, message: str) -> str:
     """Reword a library message for the command line: ``--overwrite``, ``lmdbcache precompute``."""
     flag = "--overwrite" if command in _HAS_OVERWRITE else "`lmdbcache precompute SPEC PATH --overwrite`"
     message = message.replace("(overwrite=True, or `lmdbcache precompute --overwrite`)", f"({flag})")
     message = message.replace("pass overwrite=True", f"pass {flag}").replace("overwrite=True", flag)
+    for python, words in _FLAGS:
+        message = message.replace(python, words)
     return message.replace("Build it first.", "Build it first with `lmdbcache precompute SPEC PATH`.")
 
 

@@ -66,7 +66,7 @@ class CacheInfo:
 
 def info(path: str | os.PathLike[str]) -> CacheInfo:
     """What ``lmdbcache info`` prints: metadata, counts and sizes of the cache at ``path``."""
-    with _registry.opened(os.fspath(path)) as store:
+    with _registry.opened(os.fspath(path), need_codec=False) as store:  # metadata only: any codec, installed or not
         meta = store.meta()
         cached = store.count()
         env_info = store.env_info()

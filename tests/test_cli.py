@@ -359,6 +359,71 @@ def test_cli_errors_name_cli_flags_not_python_arguments(capsys, cache_dir, tmp_p
     assert "lmdbcache precompute" in line and "overwrite=True" not in line
 
 
+# ---------------------------------------------------------------------- a codec's module not installed
+
+
+@pytest.fixture
+def without_zstd(tmp_path) -> dict:
+    """An environment whose interpreters (and their children) fail to `import zstandard`, as without the extra."""
+    hidden = tmp_path / "hide-zstandard"
+    hidden.mkdir()
+    (hidden / "sitecustomize.py").write_text('import sys\nsys.modules["zstandard"] = None  # import fails\n')
+    return {"PYTHONPATH": os.pathsep.join([str(hidden), str(ROOT), str(TESTS)])}
+
+
+def test_compress_without_its_module_is_refused_before_anything_is_created(cache_dir, without_zstd):
+    """`--compress zstd` without zstandard: one line naming the extra to install, exit 1, and no cache left behind."""
+    probe = subprocess.run([sys.executable, "-c", "import zstandard"], env={**os.environ, **without_zstd},
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert "ModuleNotFoundError" in probe.stderr  # really hidden
+    result = cli("precompute", SPEC, str(cache_dir), "--arg", "n=20", "--compress", "zstd", env=without_zstd, check=1)
+    line = one_line_error(result)
+    assert line == (
+        "lmdbcache precompute: error: `--compress zstd` needs the zstandard module: pip install 'lmdbcache[zstd]'."
+    )
+    assert not cache_dir.exists()
+
+
+def test_compress_without_its_module_from_python_creates_nothing(cache_dir, monkeypatch):
+    """CachedDataset(compress='zstd') and precompute without zstandard raise MissingExtraError and create nothing."""
+    from lmdbcache import MissingExtraError, _frames
+
+    monkeypatch.setitem(sys.modules, "zstandard", None)
+    _frames._module.cache_clear()  # forget a zstandard imported by an earlier test
+    try:
+        for build in (
+            lambda: CachedDataset(Synthetic(20), cache_dir, compress="zstd"),
+            lambda: precompute(Synthetic(20), cache_dir, num_workers=0, progress=False, compress="zstd"),
+        ):
+            with pytest.raises(MissingExtraError, match=r"compress='zstd' needs the zstandard module: pip install"):
+                build()
+            assert not cache_dir.exists()
+    finally:
+        _frames._module.cache_clear()
+
+
+def test_info_works_on_a_cache_whose_codec_is_not_installed(cache_dir, without_zstd):
+    """`info` reads a zstd cache without zstandard; commands that decode values refuse it naming the extra."""
+    from helpers import Compressible
+
+    precompute(Compressible(20), cache_dir, num_workers=0, progress=False, compress="zstd")
+    result = cli("info", str(cache_dir), env=without_zstd)
+    assert "20 (100.0%, complete)" in result.stdout and "zstd:3" in result.stdout
+    line = one_line_error(cli("verify", str(cache_dir), "--quiet", env=without_zstd, check=1))
+    assert "compressed with zstd" in line and "pip install 'lmdbcache[zstd]'" in line
+
+
+def test_pack_on_an_existing_cache_names_the_flags(cache_dir, capsys):
+    """`--pack K` over a cache packed otherwise is refused (exit 1) naming --pack and --overwrite; no --pack resumes."""
+    precompute(Synthetic(60), cache_dir, num_workers=0, progress=False, shard=(0, 2))  # pack=64, the default
+    result = run_main(capsys, "precompute", SPEC, str(cache_dir), "--arg", "n=60", "--workers", "0", "--pack", "0")
+    line = one_line_error(result)
+    assert "built with pack=64, not pack=0" in line and "Leave out --pack" in line and "--overwrite" in line
+    assert result.returncode == 1
+    result = run_main(capsys, "precompute", SPEC, str(cache_dir), "--arg", "n=60", "--workers", "0", "--quiet")
+    assert result.returncode == 0 and "Wrote 30 samples, skipped 30" in result.stdout
+
+
 def test_progress_bar_shows_on_a_zero_column_terminal_and_agrees_with_the_summary(cache_dir):
     """Under `script -q -c` (a pty reporting 0 columns) the bar prints, and its total is the summary's count."""
     import shutil as _shutil

@@ -77,7 +77,7 @@ def test_precompute_spot_checks_an_existing_cache(cache_dir):
 
 
 def test_precompute_spot_check_from_python_and_turned_off(cache_dir):
-    """lmdbcache.precompute spot-checks as the command does; spot_check=0 skips it, and a partial cache is checked too."""
+    """lmdbcache.precompute spot-checks as the command does, a partial cache too; spot_check=0 skips the check."""
     from test_dataset import Resized
 
     precompute(Resized(40, 8), cache_dir, num_workers=0, progress=False, shard=(0, 4))  # 10 of 40 cached
