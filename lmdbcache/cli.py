@@ -1,7 +1,8 @@
 """The ``lmdbcache`` command: precompute, info, verify, warm, copy, merge.
 
 ``main(argv) -> int`` is the whole command; user errors print one line (no traceback)
-and return 1 (2 for bad arguments, 130 after Ctrl-C).
+and return 1, 130 after Ctrl-C. A malformed command line is one line too, naming
+``lmdbcache COMMAND --help``, and exits 2 (argparse's status for usage errors).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ._version import __version__
 from .errors import LmdbCacheError
@@ -111,10 +112,27 @@ def _fingerprint(text: str) -> str:
     return text
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors are one line: what is wrong, and where the help is."""
+
+    commands: dict[str, argparse.ArgumentParser]  # the top parser's subcommands, by name
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        """As argparse's, but an argument no subcommand takes is that subcommand's error (its --help is named)."""
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            getattr(self, "commands", {}).get(parsed.command, self).error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lmdbcache", description="Build and look after lmdbcache caches.")
+    parser = _Parser(prog="lmdbcache", description="Build and look after lmdbcache caches.")
     parser.add_argument("--version", action="version", version=f"lmdbcache {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    parser.commands = {}
 
     def command(name: str, help: str, *paths: str) -> argparse.ArgumentParser:
         p = sub.add_parser(
@@ -126,6 +144,7 @@ def _parser() -> argparse.ArgumentParser:
         )
         for metavar in paths:
             p.add_argument(metavar.lower(), metavar=metavar)
+        parser.commands[name] = p
         return p
 
     precompute = command("precompute", "Decode a whole dataset (or one shard) into a cache, in parallel; resumable.")
@@ -407,10 +426,16 @@ def _merge(args: argparse.Namespace) -> int:
     from .tools import merge
 
     with _bar(None, "sample", args.quiet) as bar:
-        result = merge(args.out, args.shards, progress=bar.update)
+
+        def started(total: int) -> None:
+            bar.total = total
+            bar.refresh()
+
+        result = merge(args.out, args.shards, progress=bar.update, started=started)
     state = "complete" if result.complete else f"incomplete: {result.length - result.cached} indices missing"
+    shards = f"{result.shards} shard" + ("" if result.shards == 1 else "s")
     print(
-        f"Merged {result.shards} shards into '{args.out}': {result.cached}/{result.length} samples ({state}); "
+        f"Merged {shards} into '{args.out}': {result.cached}/{result.length} samples ({state}); "
         f"added {result.written}, {result.skipped} were already there."
     )
     return 0
