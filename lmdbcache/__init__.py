@@ -5,10 +5,9 @@
 to import, and the CLI's commands on an existing cache (``lmdbcache info``, ``--version``) do not.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
+# No ``from __future__ import annotations`` and no module-level imports but the public names:
+# each would be an attribute of the package (``lmdbcache.annotations``, ``lmdbcache.Any``).
+import typing as _typing
 
 from ._version import FORMAT_VERSION, __version__
 from .errors import (
@@ -32,7 +31,7 @@ from .errors import (
     UnsupportedSampleError,
 )
 
-if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports them
+if _typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports them
     from ._collate import collate
     from ._precompute import PrecomputeResult, precompute
     from .dataset import CachedDataset, default_fingerprint
@@ -78,16 +77,19 @@ _LAZY = {
 }
 
 
-if not TYPE_CHECKING:  # hidden from type checkers, which would otherwise accept any name as Any
+if not _typing.TYPE_CHECKING:  # hidden from type checkers, which would otherwise accept any name as Any
 
-    def __getattr__(name: str) -> Any:
+    def __getattr__(name: str) -> object:
         module = _LAZY.get(name)
         if module is None:
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        import importlib
+
         value = getattr(importlib.import_module(module, __name__), name)
         globals()[name] = value  # later lookups find it without coming here
         return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    """The public names only (``__all__``): not the submodules, nor what this file imports to work."""
+    return sorted(__all__)

@@ -61,7 +61,8 @@ class Compressor:
     """
 
     def __init__(self, codec: str, level: int) -> None:
-        require(codec)
+        # The codec's module is imported on first use: a store that only reads metadata (``lmdbcache info``)
+        # adopts a compressed build without it; ``Store`` refuses to write or read one without it.
         self.codec, self.level, self.kind = codec, level, CODECS[codec]
         self._local = threading.local()
 

@@ -27,15 +27,21 @@ FRAME = struct.Struct("<BI")  # per buffer: its kind, its stored length
 MAX_RATIO = {1: 255, 2: 1 << 15}
 
 
-def require(codec: str, path: str | None = None) -> ModuleType:
-    """The module behind ``codec``, or MissingExtraError naming the extra that installs it."""
+def require(codec: str, path: str | None = None, *, asked: str | None = None) -> ModuleType:
+    """The module behind ``codec``, or MissingExtraError naming the extra that installs it.
+
+    ``asked``: the option that asks to compress with ``codec`` (``"compress='zstd'"``), for a
+    writer that checks before it creates anything; else the error is about reading ``path``.
+    """
     try:
         return _module(codec)
     except ImportError:
+        module, extra = _MODULES[codec].split(".")[0], f"pip install 'lmdbcache[{codec}]'"
+        if asked is not None:
+            raise MissingExtraError(f"{asked} needs the {module} module: {extra}.") from None
         where = f"Cache '{path}' is" if path else "This value is"
         raise MissingExtraError(
-            f"{where} compressed with {codec}, but the {_MODULES[codec].split('.')[0]} module is not installed: "
-            f"pip install 'lmdbcache[{codec}]'."
+            f"{where} compressed with {codec}, but the {module} module is not installed: {extra}."
         ) from None
 
 

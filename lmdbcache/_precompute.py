@@ -31,16 +31,23 @@ from ._commit import Policy
 from ._compress import Compressor
 from ._compress import check as check_compression
 from ._options import check_options, parse_size
-from ._progress import progress_bar
+from ._progress import note, progress_bar
 from ._signals import interrupts_held, interrupts_ignored
 from .codec import encode
-from .dataset import dataset_length, default_fingerprint
-from .errors import InvalidOptionError, LmdbCacheError, NondeterministicDatasetError, SourceItemError
+from .dataset import dataset_length, default_fingerprint, spot_check
+from .errors import (
+    CacheMismatchError,
+    InvalidOptionError,
+    LmdbCacheError,
+    NondeterministicDatasetError,
+    SourceItemError,
+)
 from .store import DATA_FILE, Store
 
 # Commits on time as well as on count, with the dataset's default bound: a SIGKILL loses at
 # most about a second of work (plus what the workers had decoded but not handed over).
 _COMMIT_INTERVAL = 1.0
+_DEFAULT_PACK = 64  # pack=None: a new cache packs chunks of this many small samples
 
 __all__ = ["NondeterministicDatasetError", "PrecomputeResult", "SourceItemError", "precompute", "shard_indices"]
 
@@ -113,7 +120,8 @@ def precompute(
     progress: bool | None = None,
     compress: str | None = None,
     compress_level: int | None = None,
-    pack: int = 64,
+    pack: int | None = None,
+    spot_check: int = 2,
 ) -> PrecomputeResult:
     """Decode every index of ``dataset`` (or of one shard) into the cache at ``path``.
 
@@ -126,10 +134,15 @@ def precompute(
     Before writing, ``check_determinism`` indices are decoded twice; if the two samples
     differ (random augmentation inside the dataset would be frozen into the cache) this
     raises ``NondeterministicDatasetError`` unless ``allow_nondeterministic``. ``pack``: as
-    ``CachedDataset``'s, for a cache created here, but 64 by default: precompute writes whole
-    chunks in index order, the case packs are made for (small samples take 1.02-1.13x their
-    bytes on disk instead of 1.34-2x; samples of 16 KiB or more are never packed). Pass 0 for
-    one record per sample.
+    ``CachedDataset``'s, for a cache created here, but 64 by default (None): precompute writes
+    whole chunks in index order, the case packs are made for (small samples take 1.02-1.13x
+    their bytes on disk instead of 1.34-2x; samples of 16 KiB or more are never packed). Pass 0
+    for one record per sample. An existing cache keeps its own; another explicit ``pack`` raises
+    ``CacheMismatchError``, as another ``compress`` does.
+
+    An existing cache is spot-checked first, as ``CachedDataset(dataset, path)`` does:
+    ``spot_check`` random cached indices are decoded again, and a difference (changed
+    preprocessing under the same class and length) raises ``CacheMismatchError``; 0 skips it.
 
     Raises ``SourceItemError`` naming the index when the dataset raises (what was written
     is kept). Ctrl-C commits what was decoded, stops the workers and returns with
@@ -140,8 +153,11 @@ def precompute(
     """
     start = time.perf_counter()
     _check_arguments(
-        num_workers, batch_size, check_determinism, map_size, commit_every, commit_bytes, fingerprint, pack
-    )
+        num_workers, batch_size, check_determinism, map_size, commit_every, commit_bytes, fingerprint,
+        _DEFAULT_PACK if pack is None else pack,
+    )  # fmt: skip
+    if type(spot_check) is not int or spot_check < 0:
+        raise InvalidOptionError(f"spot_check must be an integer >= 0 (0 turns it off), not {spot_check!r}.")
     check_compression(compress, compress_level)
     path = os.path.abspath(os.fspath(path))
     local, workers = _local_ranks(local, overwrite, num_workers)
@@ -150,12 +166,16 @@ def precompute(
     halted = False
     run = _Run.open(
         path, dataset, length, fingerprint, overwrite, map_size, commit_every, commit_bytes, compress, compress_level,
-        pack,
+        _DEFAULT_PACK if pack is None else pack,
     )  # fmt: skip
     try:
+        if not overwrite:
+            _check_existing(run, dataset, pack, spot_check)
         todo = _not_cached(run.store, indices, length)
         halted = _fill(run, dataset, todo, workers, batch_size, progress, check_determinism, allow_nondeterministic)
         cached = run.store.count()
+        if run.written:
+            note("Syncing to disk...", progress is False)  # the bar sits at 100% meanwhile: say why
     finally:
         # The last release syncs the file and removes the unsynced marker: a Ctrl-C meanwhile (the bar
         # sits at 100% during the sync) waits for both, then the run reports as interrupted.
@@ -165,6 +185,25 @@ def precompute(
     seconds = (run.stopped or time.perf_counter()) - start
     size = os.path.getsize(os.path.join(path, DATA_FILE))
     return PrecomputeResult(path, run.written, len(indices) - len(todo), seconds, cached, length, size, halted)
+
+
+def _check_existing(run: _Run, dataset: Any, pack: int | None, count: int) -> None:
+    """Refuse an existing cache packed otherwise than ``pack`` asks, or whose samples differ from ``dataset``'s."""
+    found = run.store.meta().get("pack", 0)
+    if pack is not None and found != pack:
+        has = f"pack={found}" if found else "no packs (pack=0)"
+        raise CacheMismatchError(
+            f"Cache '{run.store.path}' was built with {has}, not pack={pack}. Leave pack= out to use its setting, "
+            "or pass overwrite=True to rebuild it with the new one."
+        )
+    if count:
+        spot_check(
+            run.store,
+            count,
+            functools.partial(_encode_source, dataset),
+            "Pass overwrite=True to rebuild it, or build into another path (with a fingerprint= that names what "
+            "changed). (spot_check=0 skips this check.)",
+        )
 
 
 def _check_arguments(

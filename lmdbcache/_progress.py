@@ -6,7 +6,7 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["progress_bar"]
+__all__ = ["note", "progress_bar"]
 
 
 def progress_bar(total: int | None, unit: str, quiet: bool, **kwargs: Any) -> Any:
@@ -26,3 +26,10 @@ def progress_bar(total: int | None, unit: str, quiet: bool, **kwargs: Any) -> An
     fixed = size is not None and (size.columns == 0 or size.lines == 0)
     width: dict[str, Any] = {"ncols": 80, "nrows": 24} if fixed else {"dynamic_ncols": True}
     return tqdm(total=total, unit=unit, disable=True if quiet else None, **width, **kwargs)
+
+
+def note(text: str, quiet: bool) -> None:
+    """Print ``text`` on stderr where a progress bar shows (a terminal, not ``quiet``): what a long step does."""
+    stream = sys.stderr
+    if not quiet and stream is not None and stream.isatty():
+        print(text, file=stream, flush=True)

@@ -88,6 +88,7 @@ def open_store(
     compress: str | None = None,
     compress_level: int | None = None,
     pack: int = 0,
+    need_codec: bool = True,
     **options: Any,
 ) -> tuple[Store, dict[str, Any]]:
     """This process's Store for ``path``, initialized (``Store.initialize``), and the cache's metadata.
@@ -105,6 +106,7 @@ def open_store(
             compress=compress,
             compress_level=compress_level,
             pack=pack,
+            need_codec=need_codec,
         )
     except BaseException:
         release(store)

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-__version__ = "0.1.0"
+__version__ = "0.4.0"
 
 # The on-disk format this library writes and the newest it reads. Bump it only when the
 # stored bytes change (record layout, keys, metadata), and keep tests/data/golden-v*

@@ -1,7 +1,8 @@
 """The ``lmdbcache`` command: precompute, info, verify, warm, copy, merge.
 
 ``main(argv) -> int`` is the whole command; user errors print one line (no traceback)
-and return 1 (2 for bad arguments, 130 after Ctrl-C).
+and return 1, 130 after Ctrl-C. A malformed command line is one line too, naming
+``lmdbcache COMMAND --help``, and exits 2 (argparse's status for usage errors).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ._version import __version__
 from .errors import LmdbCacheError
@@ -111,10 +112,27 @@ def _fingerprint(text: str) -> str:
     return text
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors are one line: what is wrong, and where the help is."""
+
+    commands: dict[str, argparse.ArgumentParser]  # the top parser's subcommands, by name
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        """As argparse's, but an argument no subcommand takes is that subcommand's error (its --help is named)."""
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            getattr(self, "commands", {}).get(parsed.command, self).error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lmdbcache", description="Build and look after lmdbcache caches.")
+    parser = _Parser(prog="lmdbcache", description="Build and look after lmdbcache caches.")
     parser.add_argument("--version", action="version", version=f"lmdbcache {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    parser.commands = {}
 
     def command(name: str, help: str, *paths: str) -> argparse.ArgumentParser:
         p = sub.add_parser(
@@ -126,6 +144,7 @@ def _parser() -> argparse.ArgumentParser:
         )
         for metavar in paths:
             p.add_argument(metavar.lower(), metavar=metavar)
+        parser.commands[name] = p
         return p
 
     precompute = command("precompute", "Decode a whole dataset (or one shard) into a cache, in parallel; resumable.")
@@ -172,6 +191,13 @@ def _precompute_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--overwrite", action="store_true", help="empty an existing cache and rebuild it")
     p.add_argument(
+        "--spot-check",
+        type=_int_at_least(0, " (0 skips the check)"),
+        default=2,
+        metavar="K",
+        help="decode K cached indices of an existing cache again and refuse it if they differ (default 2; 0 skips)",
+    )
+    p.add_argument(
         "--check-determinism",
         type=_int_at_least(0, " (0 skips the check)"),
         default=3,
@@ -199,10 +225,10 @@ def _precompute_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pack",
         type=_int_at_least(0, " (0: one record per sample)"),
-        default=64,
+        default=None,
         metavar="K",
         help="store each K consecutive samples under 16 KiB as one record in a new cache (default 64; 0: one "
-        "record per sample; see README 'Packs')",
+        "record per sample; see README 'Packs'); an existing cache keeps its own, another K is refused",
     )
 
 
@@ -213,6 +239,11 @@ def _bar(total: int | None, unit: str, quiet: bool, **kwargs: Any) -> Any:
 
 
 def _precompute(args: argparse.Namespace) -> int:
+    codec = args.compress[0]
+    if codec is not None:  # before the SPEC is loaded and anything is created
+        from ._frames import require
+
+        require(codec, asked=f"`--compress {codec}`")
     with _interrupt_not_lost():
         from ._precompute import precompute  # imports torch, the SPEC's module too
         from ._spec import load_spec, parse_args_kv
@@ -233,6 +264,7 @@ def _precompute(args: argparse.Namespace) -> int:
         compress=args.compress[0],
         compress_level=args.compress[1],
         pack=args.pack,
+        spot_check=args.spot_check,
     )
     print(result.summary())
     return 130 if result.interrupted else 0
@@ -394,10 +426,16 @@ def _merge(args: argparse.Namespace) -> int:
     from .tools import merge
 
     with _bar(None, "sample", args.quiet) as bar:
-        result = merge(args.out, args.shards, progress=bar.update)
+
+        def started(total: int) -> None:
+            bar.total = total
+            bar.refresh()
+
+        result = merge(args.out, args.shards, progress=bar.update, started=started)
     state = "complete" if result.complete else f"incomplete: {result.length - result.cached} indices missing"
+    shards = f"{result.shards} shard" + ("" if result.shards == 1 else "s")
     print(
-        f"Merged {result.shards} shards into '{args.out}': {result.cached}/{result.length} samples ({state}); "
+        f"Merged {shards} into '{args.out}': {result.cached}/{result.length} samples ({state}); "
         f"added {result.written}, {result.skipped} were already there."
     )
     return 0
@@ -452,11 +490,21 @@ def _run(args: argparse.Namespace) -> int:
 _HAS_OVERWRITE = {"precompute", "copy"}
 
 
+_FLAGS = (
+    ("Leave pack= out", "Leave out --pack"),
+    ("without compress=", "without --compress"),
+    ("with a fingerprint= that", "with a --fingerprint that"),
+    ("(spot_check=0 skips this check.)", "(--spot-check 0 skips this check.)"),
+)
+
+
 def _cli_words(command: str, message: str) -> str:
     """Reword a library message for the command line: ``--overwrite``, ``lmdbcache precompute``."""
     flag = "--overwrite" if command in _HAS_OVERWRITE else "`lmdbcache precompute SPEC PATH --overwrite`"
     message = message.replace("(overwrite=True, or `lmdbcache precompute --overwrite`)", f"({flag})")
     message = message.replace("pass overwrite=True", f"pass {flag}").replace("overwrite=True", flag)
+    for python, words in _FLAGS:
+        message = message.replace(python, words)
     return message.replace("Build it first.", "Build it first with `lmdbcache precompute SPEC PATH`.")
 
 

@@ -314,29 +314,15 @@ class CachedDataset(Dataset[Any]):
 
     def _spot_check(self, store: Store, count: int) -> None:
         """Re-decode ``count`` random cached indices and compare them with the cache (see ``spot_check``)."""
-        rng = random.Random()
-        starts = [rng.randrange(self._length) for _ in range(min(count, self._length))]
-        for index in store.cached_near(starts):
-            stored = store.raw(index)
-            if stored is None:
-                continue
-            fresh = encode(self._read_source([index])[0], index)
-            if store.compress(fresh) == stored:
-                continue
-            # Bytes can differ while samples are equal (a value written by an older format).
-            try:
-                cached = store.get(index, True)
-            except CorruptSampleError:
-                continue  # damage, not a stale source: reading the index says so, with the repair to run
-            difference = first_difference(cached, decode(fresh, index, verify_data=False))
-            if difference is not None:
-                raise CacheMismatchError(
-                    f"Cache '{self.path}' does not match its source dataset at index {index}: {difference}. The "
-                    f"cache was built from other data under the same fingerprint '{self.fingerprint}' (changed "
-                    "preprocessing, another subset or file list) or the dataset is not deterministic. Pass a "
-                    "fingerprint= that names what changed, or overwrite=True to rebuild; if the dataset applies "
-                    "random augmentation, move it to transform=. (spot_check=0 turns this check off.)"
-                )
+        spot_check(
+            store,
+            count,
+            lambda index: encode(self._read_source([index])[0], index),
+            (
+                "Pass a fingerprint= that names what changed, or overwrite=True to rebuild; if the dataset applies "
+                "random augmentation, move it to transform=. (spot_check=0 turns this check off.)"
+            ),
+        )
 
     def loader(self, batch_size: int | None = 1, **kwargs: Any) -> Loader:
         """Batches equal to ``DataLoader(self, batch_size, collate_fn=default_collate)``'s, copied from the map.
@@ -402,3 +388,34 @@ class CachedDataset(Dataset[Any]):
     def __repr__(self) -> str:
         source = "no source" if self.dataset is None else type(self.dataset).__name__
         return f"CachedDataset('{self.path}', {self._length} samples, {source})"
+
+
+def spot_check(store: Store, count: int, encoded: Callable[[int], bytes], fix: str) -> None:
+    """Re-decode ``count`` random cached indices and compare them with the cache; CacheMismatchError on a difference.
+
+    ``encoded(index)`` is the source's sample at ``index``, encoded; ``fix`` ends the message
+    (what the caller can do). Shared by ``CachedDataset`` and ``precompute``.
+    """
+    meta = store.meta()
+    length, fingerprint = meta["length"], meta["fingerprint"]
+    rng = random.Random()
+    starts = [rng.randrange(length) for _ in range(min(count, length))]
+    for index in store.cached_near(starts):
+        stored = store.raw(index)
+        if stored is None:
+            continue
+        fresh = encoded(index)
+        if store.compress(fresh) == stored:
+            continue
+        # Bytes can differ while samples are equal (a value written by an older format).
+        try:
+            cached = store.get(index, True)
+        except CorruptSampleError:
+            continue  # damage, not a stale source: reading the index says so, with the repair to run
+        difference = first_difference(cached, decode(fresh, index, verify_data=False))
+        if difference is not None:
+            raise CacheMismatchError(
+                f"Cache '{store.path}' does not match its source dataset at index {index}: {difference}. The cache was "
+                f"built from other data under the same fingerprint '{fingerprint}' (changed preprocessing, another "
+                f"subset or file list) or the dataset is not deterministic. {fix}"
+            )

@@ -50,6 +50,7 @@ import lmdb
 from . import _compress, _fs, _metadata, _pack
 from ._commit import CommitQueue, Policy
 from ._env import MAX_MAP
+from ._frames import require
 from ._fs import DATA_FILE, LOCK_FILE, WRITE_LOCK
 from ._lmdb_errors import REBUILD, translate, write_failure
 from ._options import MIB, parse_size
@@ -138,6 +139,7 @@ class Store(ReadPath, WritePath):
         compress: str | None = None,
         compress_level: int | None = None,
         pack: int = 0,
+        need_codec: bool = True,
     ) -> dict[str, Any]:
         """Open the cache, creating it or checking it against the dataset; return its metadata.
 
@@ -148,7 +150,11 @@ class Store(ReadPath, WritePath):
         valid handles) or, if it is not a readable lmdbcache cache, its LMDB files are replaced.
         Files that are not ours are never touched. On error nothing stays open. ``pack``: the
         chunk size K of packs (``_pack``) in a cache created here (an existing cache keeps its own).
+        A ``compress`` whose module is missing is refused before anything is created; a compressed
+        build whose module is missing is refused unless not ``need_codec`` (reading metadata only).
         """
+        if compress is not None:
+            require(compress, asked=f"compress={compress!r}")
         with self._lock:
             if overwrite:
                 self._queue.forget()  # samples of the build being replaced
@@ -164,7 +170,8 @@ class Store(ReadPath, WritePath):
             try:
                 meta, raw = self._initialize(length, fingerprint, overwrite, create, (compress, compress_level), pack)
                 _metadata.check_compression(meta, self.path, compress, compress_level)
-                self._require_codec(meta)
+                if need_codec:
+                    self._require_codec(meta)
             except BaseException:
                 self._close_env()
                 raise

@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import _fs, _metadata, _registry
@@ -66,7 +66,7 @@ class CacheInfo:
 
 def info(path: str | os.PathLike[str]) -> CacheInfo:
     """What ``lmdbcache info`` prints: metadata, counts and sizes of the cache at ``path``."""
-    with _registry.opened(os.fspath(path)) as store:
+    with _registry.opened(os.fspath(path), need_codec=False) as store:  # metadata only: any codec, installed or not
         meta = store.meta()
         cached = store.count()
         env_info = store.env_info()
@@ -339,6 +339,7 @@ def merge(
     *,
     progress: Progress = None,
     batch: int = 1024,
+    started: Callable[[int], Any] | None = None,
 ) -> MergeResult:
     """Merge shard caches of one dataset into ``out`` (created if missing).
 
@@ -346,12 +347,15 @@ def merge(
     (and as ``out`` if it exists; a new ``out`` takes the shards' setting); a shard listed
     twice, or ``out`` listed as a shard, is refused. Every value
     is verified (checksums bound to its index; nothing in it is executed) and copied byte
-    for byte; indices already in ``out`` are skipped.
+    for byte; indices already in ``out`` are skipped. ``started(total)`` is called once the
+    shards are checked, with the number of values ``progress`` will count.
     """
     start = time.perf_counter()
     out_path = os.path.abspath(os.fspath(out))
     shard_paths = _distinct_shards(out_path, [os.path.abspath(os.fspath(s)) for s in shards])
-    first = _common_dataset(shard_paths)
+    first, total = _common_dataset(shard_paths)
+    if started is not None:
+        started(total)
     length, written, skipped = first["length"], 0, 0
     codec, level = _metadata.compression(first)
     target, meta = _registry.open_store(
@@ -398,12 +402,13 @@ def _distinct_shards(out_path: str, shard_paths: list[str]) -> list[str]:
     return shard_paths
 
 
-def _common_dataset(shard_paths: list[str]) -> dict[str, Any]:
-    """The metadata of the first shard, once every shard is known to hold the same dataset."""
-    metas = []
+def _common_dataset(shard_paths: list[str]) -> tuple[dict[str, Any], int]:
+    """The metadata of the first shard, once every shard is known to hold the same dataset, and their values' count."""
+    metas, total = [], 0
     for path in shard_paths:
         with _registry.opened(path) as store:
             metas.append((path, store.meta()))
+            total += store.count()
     first_path, first = metas[0]
     for path, meta in metas[1:]:
         if (meta["fingerprint"], meta["length"]) != (first["fingerprint"], first["length"]):
@@ -418,7 +423,7 @@ def _common_dataset(shard_paths: list[str]) -> dict[str, Any]:
                 f"{_compression_label(first) or 'nothing'}. Merge only shards built with one compress= setting "
                 "(rebuild one of them with the other's)."
             )
-    return first
+    return first, total
 
 
 def _merge_shard(path: str, target: Store, build: str, length: int, batch: int, progress: Progress) -> tuple[int, int]:

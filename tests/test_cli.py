@@ -133,12 +133,27 @@ def test_a_bad_spec_from_the_real_command(cache_dir):
     )
 
 
-def test_bad_arguments_exit_2(cache_dir, capsys):
-    """Malformed options are argparse errors (exit 2) with the reason."""
-    result = run_main(capsys, "precompute", SPEC, str(cache_dir), "--shard", "3/3")
-    assert result.returncode == 2 and "0 <= I < N" in result.stderr
-    assert run_main(capsys, "precompute", SPEC, str(cache_dir), "--shard", "1-3").returncode == 2
-    assert run_main(capsys, "frobnicate").returncode == 2
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["precompute", SPEC, "PATH", "--shard", "3/3"], "precompute: error: argument --shard: '3/3' is not I/N"),
+        (["precompute", SPEC, "PATH", "--shard", "1-3"], "precompute: error: argument --shard: '1-3' is not I/N"),
+        (["precompute", SPEC], "precompute: error: the following arguments are required: PATH"),
+        (["info", "PATH", "extra"], "info: error: unrecognized arguments: extra"),
+        (["merge", "OUT", "S1", "--frobnicate"], "merge: error: unrecognized arguments: --frobnicate"),
+        (["frobnicate"], "lmdbcache: error: argument COMMAND: invalid choice: 'frobnicate'"),
+        ([], "lmdbcache: error: the following arguments are required: COMMAND"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(cache_dir, capsys, args, expected):
+    """A malformed command line exits 2 with one line: what is wrong, and the --help to read (as the README says)."""
+    args = [str(cache_dir) if a == "PATH" else a for a in args]
+    line = one_line_error(run_main(capsys, *args))
+    assert run_main(capsys, *args).returncode == 2
+    assert expected in line and "usage:" not in line, line
+    command = args[0] if args and args[0] in ("precompute", "info", "merge") else None
+    assert line.endswith(f"(see `lmdbcache {command} --help`)" if command else "(see `lmdbcache --help`)"), line
+    assert not cache_dir.exists()
 
 
 def test_user_errors_on_caches_are_one_line(tmp_path, capsys):
@@ -359,19 +374,107 @@ def test_cli_errors_name_cli_flags_not_python_arguments(capsys, cache_dir, tmp_p
     assert "lmdbcache precompute" in line and "overwrite=True" not in line
 
 
-def test_progress_bar_shows_on_a_zero_column_terminal_and_agrees_with_the_summary(cache_dir):
-    """Under `script -q -c` (a pty reporting 0 columns) the bar prints, and its total is the summary's count."""
+# ---------------------------------------------------------------------- a codec's module not installed
+
+
+@pytest.fixture
+def without_zstd(tmp_path) -> dict:
+    """An environment whose interpreters (and their children) fail to `import zstandard`, as without the extra."""
+    hidden = tmp_path / "hide-zstandard"
+    hidden.mkdir()
+    (hidden / "sitecustomize.py").write_text('import sys\nsys.modules["zstandard"] = None  # import fails\n')
+    return {"PYTHONPATH": os.pathsep.join([str(hidden), str(ROOT), str(TESTS)])}
+
+
+def test_compress_without_its_module_is_refused_before_anything_is_created(cache_dir, without_zstd):
+    """`--compress zstd` without zstandard: one line naming the extra to install, exit 1, and no cache left behind."""
+    probe = subprocess.run([sys.executable, "-c", "import zstandard"], env={**os.environ, **without_zstd},
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert "ModuleNotFoundError" in probe.stderr  # really hidden
+    result = cli("precompute", SPEC, str(cache_dir), "--arg", "n=20", "--compress", "zstd", env=without_zstd, check=1)
+    line = one_line_error(result)
+    assert line == (
+        "lmdbcache precompute: error: `--compress zstd` needs the zstandard module: pip install 'lmdbcache[zstd]'."
+    )
+    assert not cache_dir.exists()
+
+
+def test_compress_without_its_module_from_python_creates_nothing(cache_dir, monkeypatch):
+    """CachedDataset(compress='zstd') and precompute without zstandard raise MissingExtraError and create nothing."""
+    from lmdbcache import MissingExtraError, _frames
+
+    monkeypatch.setitem(sys.modules, "zstandard", None)
+    _frames._module.cache_clear()  # forget a zstandard imported by an earlier test
+    try:
+        for build in (
+            lambda: CachedDataset(Synthetic(20), cache_dir, compress="zstd"),
+            lambda: precompute(Synthetic(20), cache_dir, num_workers=0, progress=False, compress="zstd"),
+        ):
+            with pytest.raises(MissingExtraError, match=r"compress='zstd' needs the zstandard module: pip install"):
+                build()
+            assert not cache_dir.exists()
+    finally:
+        _frames._module.cache_clear()
+
+
+def test_info_works_on_a_cache_whose_codec_is_not_installed(cache_dir, without_zstd):
+    """`info` reads a zstd cache without zstandard; commands that decode values refuse it naming the extra."""
+    from helpers import Compressible
+
+    precompute(Compressible(20), cache_dir, num_workers=0, progress=False, compress="zstd")
+    result = cli("info", str(cache_dir), env=without_zstd)
+    assert "20 (100.0%, complete)" in result.stdout and "zstd:3" in result.stdout
+    line = one_line_error(cli("verify", str(cache_dir), "--quiet", env=without_zstd, check=1))
+    assert "compressed with zstd" in line and "pip install 'lmdbcache[zstd]'" in line
+
+
+def test_pack_on_an_existing_cache_names_the_flags(cache_dir, capsys):
+    """`--pack K` over a cache packed otherwise is refused (exit 1) naming --pack and --overwrite; no --pack resumes."""
+    precompute(Synthetic(60), cache_dir, num_workers=0, progress=False, shard=(0, 2))  # pack=64, the default
+    result = run_main(capsys, "precompute", SPEC, str(cache_dir), "--arg", "n=60", "--workers", "0", "--pack", "0")
+    line = one_line_error(result)
+    assert "built with pack=64, not pack=0" in line and "Leave out --pack" in line and "--overwrite" in line
+    assert result.returncode == 1
+    result = run_main(capsys, "precompute", SPEC, str(cache_dir), "--arg", "n=60", "--workers", "0", "--quiet")
+    assert result.returncode == 0 and "Wrote 30 samples, skipped 30" in result.stdout
+
+
+def on_a_terminal(*args: str) -> list[str]:
+    """Run ``lmdbcache ARGS`` under `script -q -c` (a pty reporting 0 columns); its output's non-empty lines."""
+    import shlex
     import shutil as _shutil
 
     if _shutil.which("script") is None:
         pytest.skip("util-linux `script` is not installed")
-    command = f"{sys.executable} -m lmdbcache precompute {SPEC} {cache_dir} --arg n=300 --workers 1"
+    command = shlex.join([sys.executable, "-m", "lmdbcache", *args])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
     out = subprocess.run(["script", "-q", "-c", command, "/dev/null"], capture_output=True, text=True, env=env,
                          timeout=120)  # fmt: skip
-    lines = [line for line in out.stdout.replace("\r", "\n").splitlines() if line.strip()]
+    return [line for line in out.stdout.replace("\r", "\n").splitlines() if line.strip()]
+
+
+def test_progress_bar_shows_on_a_zero_column_terminal_and_agrees_with_the_summary(cache_dir):
+    """Under `script -q -c` (a pty reporting 0 columns) the bar prints, and its total is the summary's count."""
+    lines = on_a_terminal("precompute", SPEC, str(cache_dir), "--arg", "n=300", "--workers", "1")
     assert any("300/300" in line and "sample" in line for line in lines), lines[-5:]
     assert "Wrote 300 samples" in lines[-1]
+
+
+def test_precompute_says_it_is_syncing_after_the_bar(cache_dir):
+    """On a terminal, "Syncing to disk..." follows the full bar (which sits at 100% during the final sync)."""
+    lines = on_a_terminal("precompute", SPEC, str(cache_dir), "--arg", "n=100", "--workers", "0")
+    assert lines[-2:] == ["Syncing to disk...", lines[-1]] and "Wrote 100 samples" in lines[-1], lines[-5:]
+    assert "100/100" in lines[-3]
+    assert "Syncing" not in "".join(on_a_terminal("precompute", SPEC, str(cache_dir), "--arg", "n=100", "--quiet"))
+
+
+def test_merge_bar_has_a_total_and_one_shard_is_singular(tmp_path):
+    """merge's bar counts to the shards' total (N/N), and one shard is "Merged 1 shard"."""
+    shard = tmp_path / "shard"
+    precompute(Synthetic(40), shard, num_workers=0, progress=False, shard=(0, 2))
+    lines = on_a_terminal("merge", str(tmp_path / "out"), str(shard))
+    assert any("20/20" in line and "sample" in line for line in lines), lines[-5:]
+    assert lines[-1].startswith(f"Merged 1 shard into '{tmp_path / 'out'}': 20/40 samples"), lines[-1]
 
 
 # ---------------------------------------------------------------------- start-up cost

@@ -11,7 +11,7 @@ from helpers import Synthetic, assert_same, sample_for, small_disk
 from test_cli import SPEC, cli, one_line_error, slow_precompute
 from test_processes import check_cache, wait_for_count
 
-from lmdbcache import CachedDataset, CacheMismatchError, _registry, precompute
+from lmdbcache import CachedDataset, CacheMismatchError, _registry, precompute, tools
 
 
 def test_python_api_precompute(cache_dir):
@@ -57,6 +57,47 @@ def test_existing_cache_of_another_dataset(cache_dir):
     check_cache(cache_dir, 20)
     cli("precompute", SPEC, str(cache_dir), "--arg", "n=21", "--overwrite", "--quiet")
     check_cache(cache_dir, 21)
+
+
+RESIZED = "test_dataset:Resized"  # same class and length, another output size: only the spot check tells
+
+
+def test_precompute_spot_checks_an_existing_cache(cache_dir):
+    """precompute over a cache built with other preprocessing (same class and length) fails, exit 1, naming the fix."""
+    cli("precompute", RESIZED, str(cache_dir), "--arg", "n=30", "--arg", "size=8", "--workers", "0", "--quiet")
+    smaller = ("precompute", RESIZED, str(cache_dir), "--arg", "n=30", "--arg", "size=6", "--workers", "0")
+    line = one_line_error(cli(*smaller, check=1))
+    assert "does not match its source dataset at index" in line and "[3, 8, 8] in the cache" in line
+    assert "--overwrite" in line and "--fingerprint" in line and "overwrite=True" not in line
+    with CachedDataset.open(cache_dir) as ds:
+        assert ds.is_complete and ds[0][0].shape == (3, 8, 8)  # untouched
+    assert "Wrote 30 samples" in cli(*smaller, "--overwrite", "--quiet").stdout
+    with CachedDataset.open(cache_dir) as ds:
+        assert ds[29][0].shape == (3, 6, 6)
+
+
+def test_precompute_spot_check_from_python_and_turned_off(cache_dir):
+    """lmdbcache.precompute spot-checks as the command does, a partial cache too; spot_check=0 skips the check."""
+    from test_dataset import Resized
+
+    precompute(Resized(40, 8), cache_dir, num_workers=0, progress=False, shard=(0, 4))  # 10 of 40 cached
+    with pytest.raises(CacheMismatchError, match=r"at index \d+: .*overwrite=True.*spot_check=0"):
+        precompute(Resized(40, 6), cache_dir, num_workers=0, progress=False)
+    assert precompute(Resized(40, 8), cache_dir, num_workers=0, progress=False, spot_check=5).written == 30
+    result = precompute(Resized(40, 6), cache_dir, num_workers=0, progress=False, spot_check=0)
+    assert (result.written, result.skipped) == (0, 40)  # the documented way out: nothing checked, nothing written
+
+
+def test_pack_on_an_existing_cache_with_another_setting_is_refused(cache_dir):
+    """pack= that differs from an existing cache's is CacheMismatchError, as compress= is; None keeps the cache's."""
+    precompute(Synthetic(100), cache_dir, num_workers=0, progress=False, pack=0, shard=(0, 2))
+    with pytest.raises(CacheMismatchError, match=r"built with no packs \(pack=0\), not pack=8.*overwrite=True"):
+        precompute(Synthetic(100), cache_dir, num_workers=0, progress=False, pack=8)
+    assert precompute(Synthetic(100), cache_dir, num_workers=0, progress=False, pack=0).written == 50
+    with pytest.raises(CacheMismatchError, match="not pack=64"):
+        precompute(Synthetic(100), cache_dir, num_workers=0, progress=False, pack=64)
+    assert precompute(Synthetic(100), cache_dir, num_workers=0, progress=False).skipped == 100
+    assert tools.info(cache_dir).pack == 0
 
 
 def test_item_error_names_the_index_and_keeps_the_rest(cache_dir):

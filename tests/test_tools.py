@@ -254,6 +254,18 @@ def test_copy_over_a_cache_in_use_keeps_its_readers_on_the_old_file(tmp_path):
 # ---------------------------------------------------------------------- merge
 
 
+def test_merge_reports_its_total_before_it_starts(tmp_path):
+    """merge calls started(total) once, before any progress, with the number of values progress then counts."""
+    shards = [tmp_path / "a", tmp_path / "b"]
+    for i, shard in enumerate(shards):
+        precompute(Synthetic(30), shard, num_workers=0, progress=False, shard=(i, 2))
+    events: list = []
+    result = tools.merge(
+        tmp_path / "out", shards, progress=events.append, started=lambda n: events.append(("total", n))
+    )
+    assert events[0] == ("total", 30) and sum(events[1:]) == 30 and result.written == 30
+
+
 def test_merge_refuses_shards_of_different_datasets(tmp_path):
     """Shards with different fingerprints or lengths are refused, and nothing is merged."""
     a, b = tmp_path / "a", tmp_path / "b"
