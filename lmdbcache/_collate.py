@@ -28,8 +28,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import get_worker_info
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import default_collate, get_worker_info
 
 from ._gather import Buffers, Layout, layout_of
 from .store import MISSING

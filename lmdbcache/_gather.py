@@ -37,7 +37,11 @@ _xxh3 = xxhash.xxh3_64_intdigest
 _memmove = ctypes.memmove  # a ctypes call releases the GIL: large copies run in parallel
 _BIG = 64 << 10  # bytes from which a copy goes through memmove (below, a memoryview copy is cheaper)
 _FLAT = 0xC1
-_use_count = torch._C._storage_Use_Count
+# How many tensors and views share a storage: a private torch function (the one exception to the
+# STYLE's rule, because nothing public counts views). A torch without it must not break
+# `import lmdbcache`: then no slot is ever judged unused, and every batch gets new buffers
+# (correct, only without the reuse). tests/test_collate.py removes it to check that path.
+_use_count: Any = getattr(torch._C, "_storage_Use_Count", None)
 _SCALAR_DTYPES: dict[str, np.dtype[Any]] = {"q": np.dtype("<i8"), "d": np.dtype("<f8"), "?": np.dtype("u1")}
 _COLUMN_DTYPES: dict[str, np.dtype[Any]] = {"q": np.dtype("=i8"), "d": np.dtype("=f8"), "?": np.dtype("bool")}
 
@@ -143,9 +147,11 @@ class Buffers:
         self._pointers = [storage.data_ptr() for storage in self._storages]
         self._base = self._counts()
 
-    def _counts(self) -> list[tuple[int, int]]:
+    def _counts(self) -> list[tuple[int, int]] | None:
         """Each storage's (use count, refcount), taken the same way every time (a zip or enumerate
-        in between would hold one more reference in its reused result tuple)."""
+        in between would hold one more reference in its reused result tuple); None without the use count."""
+        if _use_count is None:
+            return None
         storages, counts = self._storages, []
         for k in range(len(storages)):
             counts.append((int(_use_count(storages[k]._cdata)), sys.getrefcount(storages[k])))
@@ -156,8 +162,11 @@ class Buffers:
         return any(st.data_ptr() != ptr for st, ptr in zip(self._storages, self._pointers))
 
     def unused(self) -> bool:
-        """True when no tensor, view or storage handed out from this slot is alive anywhere, and it did not move."""
-        return not self.busy and self._counts() == self._base and not self.moved()
+        """True when no tensor, view or storage handed out from this slot is alive anywhere, and it did not move.
+
+        Always False without torch's use count (see ``_use_count``): a slot is then never reused.
+        """
+        return not self.busy and self._base is not None and self._counts() == self._base and not self.moved()
 
     def free(self) -> bool:
         """Unused, and the consumer's device copies of its last batch (``event``) are done."""
