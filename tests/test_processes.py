@@ -17,7 +17,16 @@ import torch
 from helpers import Synthetic, assert_same, sample_for, source_reads
 from torch.utils.data import DataLoader
 
-from lmdbcache import CachedDataset, CacheMismatchError, ReadersFullError, SampleNotCachedError, _env, _fs, _registry
+from lmdbcache import (
+    CachedDataset,
+    CacheMismatchError,
+    InvalidOptionError,
+    ReadersFullError,
+    SampleNotCachedError,
+    _env,
+    _fs,
+    _registry,
+)
 from lmdbcache import store as _store
 
 TESTS = Path(__file__).parent
@@ -435,3 +444,47 @@ def test_a_dataloader_worker_forked_with_caches_open_freezes_what_it_inherits(ca
     assert worker > 1000  # every object of the parent: modules, torch, the dataset
     assert plain == 0
     assert parent == 0
+
+
+FREEZE_OPTION_SCRIPT = """
+import gc, sys
+from torch.utils.data import DataLoader, Dataset
+from helpers import Synthetic
+from lmdbcache import CachedDataset
+
+class FreezeCount(Dataset):
+    def __init__(self, ds):
+        self.ds = ds
+    def __len__(self):
+        return 2
+    def __getitem__(self, i):
+        self.ds[i]
+        gc.collect()
+        return gc.get_freeze_count()
+
+option = {"None": None, "True": True, "False": False}[sys.argv[2]]
+ds = CachedDataset(Synthetic(8), sys.argv[1], freeze_worker_gc=option)
+ds[3]
+if sys.argv[3] == "closed":
+    ds.close()  # no cache open at the fork: freezing would not pay
+loader = DataLoader(FreezeCount(ds), batch_size=None, num_workers=1, multiprocessing_context="fork")
+print(min(int(count) for count in loader), gc.get_freeze_count())
+"""
+
+
+@pytest.mark.parametrize(
+    ("option", "at_fork", "frozen"),
+    [("None", "open", True), ("None", "closed", False), ("False", "open", False), ("True", "closed", True)],
+)
+def test_freeze_worker_gc_freezes_workers_only_where_asked(cache_dir, option, at_fork, frozen):
+    """freeze_worker_gc: None freezes a DataLoader worker only when forked with a cache open, True always, False never."""
+    worker, parent = map(int, run_script(FREEZE_OPTION_SCRIPT, str(cache_dir), option, at_fork).stdout.split())
+    assert (worker > 1000) is frozen
+    assert parent == 0
+
+
+def test_freeze_worker_gc_must_be_none_or_a_bool(cache_dir):
+    """freeze_worker_gc=1 or "yes" is an InvalidOptionError naming the values it takes."""
+    for bad in (1, "yes"):
+        with pytest.raises(InvalidOptionError, match="freeze_worker_gc must be None"):
+            CachedDataset(Synthetic(8), cache_dir, freeze_worker_gc=bad)
