@@ -96,6 +96,7 @@ class Handle:
     def _open_env(self, *, readonly: bool) -> lmdb.Environment:
         """Open this process's environment and the two databases. Caller holds self._lock."""
         path = self.path
+        _fs.check_lmdb_files(path)  # a linked lock.mdb would be rewritten through the link, read-only too
         env, self._locked = open_env(path, map_size=self.map_size, max_readers=self.max_readers, readonly=readonly)
         try:
             self._samples, self._meta_db = open_databases(env, path, readonly)
@@ -310,5 +311,6 @@ class Handle:
 
     def _write_lock(self) -> filelock.BaseFileLock:
         if self._file_lock is None:
+            _fs.check_lmdb_files(self.path)  # filelock would follow a linked lmdbcache.lock
             self._file_lock = filelock.FileLock(os.path.join(self.path, WRITE_LOCK))
         return self._file_lock

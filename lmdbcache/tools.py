@@ -211,6 +211,7 @@ def _destination(path: str, meta: dict[str, Any], overwrite: bool) -> tuple[bool
         )
     if not os.path.isdir(path):
         return False, None
+    _fs.check_lmdb_files(path)  # a linked file there is not a damaged cache to replace: refuse it
     names = os.listdir(path)
     if DATA_FILE not in names:
         others = sorted(n for n in names if n not in _CACHE_FILES and not n.startswith(_COPY_PREFIX))
