@@ -156,7 +156,8 @@ class CachedDataset(Dataset[Any]):
             raise InvalidOptionError(f"sync must be True or False, not {sync!r}.")
         if freeze_worker_gc is not None and type(freeze_worker_gc) is not bool:
             raise InvalidOptionError(
-                f"freeze_worker_gc must be None (freeze only in forked workers), True or False, not {freeze_worker_gc!r}."
+                f"freeze_worker_gc must be None (freeze only in forked workers), True or False, "
+                f"not {freeze_worker_gc!r}."
             )
         if type(spot_check) is not int or spot_check < 0:
             raise InvalidOptionError(f"spot_check must be an integer >= 0 (0 turns it off), not {spot_check!r}.")

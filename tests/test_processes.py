@@ -477,7 +477,7 @@ print(min(int(count) for count in loader), gc.get_freeze_count())
     [("None", "open", True), ("None", "closed", False), ("False", "open", False), ("True", "closed", True)],
 )
 def test_freeze_worker_gc_freezes_workers_only_where_asked(cache_dir, option, at_fork, frozen):
-    """freeze_worker_gc: None freezes a DataLoader worker only when forked with a cache open, True always, False never."""
+    """freeze_worker_gc: None freezes a DataLoader worker only if forked with a cache open; True always; False never."""
     worker, parent = map(int, run_script(FREEZE_OPTION_SCRIPT, str(cache_dir), option, at_fork).stdout.split())
     assert (worker > 1000) is frozen
     assert parent == 0
