@@ -81,7 +81,7 @@ def collate(batch: Any) -> Any:
     """
     if type(batch) is Collated:
         return batch if get_worker_info() is not None else list(batch)
-    return default_collate(batch)  # type: ignore[no-untyped-call]
+    return default_collate(batch)
 
 
 collate.lmdbcache_batched = True  # type: ignore[attr-defined]  # read by wants_batch

@@ -211,7 +211,7 @@ class Pass:
         samples: list[Any] = []
         for f in futures:
             samples += f.result()
-        return default_collate(samples)  # type: ignore[no-untyped-call]
+        return default_collate(samples)
 
 
 def current_stream_event() -> Any:
