@@ -309,6 +309,76 @@ def test_readers_keep_working_through_another_process_growing_the_map(cache_dir)
     assert len(seen) > 0
 
 
+RESIZED_AT_OPEN_SCRIPT = """
+    import os, sys, traceback
+    import lmdb, torch
+    from helpers import Huge
+    from lmdbcache import CachedDataset
+
+    torch.set_num_threads(1)  # a large torch.full in a forked child would wait for the parent's OpenMP threads
+    path, n, size = sys.argv[1], 256, 512 << 10
+    ds = CachedDataset(Huge(n, size), path, map_size=1 << 20)
+    ds[0]
+    ds.flush()
+    requests_r, requests_w = os.pipe()
+    answers_r, answers_w = os.pipe()
+
+    writer = os.fork()
+    if writer == 0:  # grows the map past what a reader has just mapped, then answers with the indices cached
+        os.close(requests_w)
+        w = CachedDataset(Huge(n, size), path, map_size=1 << 20, spot_check=0)
+        cached = 1
+        with os.fdopen(requests_r) as requests:
+            for line in requests:
+                mapped = int(line)
+                while os.path.getsize(os.path.join(path, "data.mdb")) <= mapped + (1 << 20):
+                    w[cached]
+                    w.flush()
+                    cached += 1
+                os.write(answers_w, f"{cached}\\n".encode())
+        w.close()
+        os._exit(0)
+
+    def reader():  # a forked child's lazy reopen, raced by the writer between LMDB's open and first transaction
+        real_open, answers = lmdb.open, os.fdopen(answers_r)
+        cached = []
+
+        def open_then_grow(*args, **kwargs):
+            env = real_open(*args, **kwargs)
+            if not cached:
+                os.write(requests_w, f"{env.info()['map_size']}\\n".encode())
+                cached.append(int(answers.readline()))
+            return env
+
+        lmdb.open = open_then_grow
+        for i in (0, 1):
+            sample = ds[i]  # the first read opens the cache
+        for i in range(cached[0]):
+            tensor, index = ds[i]
+            assert index == i and tensor.shape == (size,) and int(tensor[0]) == int(tensor[-1]) == i % 251, i
+
+    for _ in range(3):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                reader()
+            except BaseException:
+                traceback.print_exc()
+                os._exit(1)
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0, "a reader failed (its traceback is above)"
+    os.close(requests_w)
+    assert os.waitpid(writer, 0)[1] == 0
+    print(ds.cached_count)
+"""
+
+
+def test_a_reopen_after_fork_adopts_a_map_grown_by_another_process_meanwhile(cache_dir):
+    """A forked child's lazy reopen raced by another process growing the map (MDB_MAP_RESIZED) adopts it and reads."""
+    cached = int(run_script(RESIZED_AT_OPEN_SCRIPT, str(cache_dir)).stdout)
+    assert cached >= 4  # each reader had the writer grow the file past its map
+
+
 REBUILD_SCRIPT = """
     import sys, torch
     from helpers import Listed

@@ -729,3 +729,23 @@ def test_the_guard_is_off_with_one_warning_under_an_lmdb_it_does_not_know(cache_
     """The record guard parses LMDB 0.9's node layout only: under another LMDB version it stays off, warned once."""
     on, warnings_seen = map(int, run_script(GUARD_VERSION_SCRIPT, str(cache_dir), built_with).stdout.split())
     assert (on, warnings_seen) == ((1, 0) if guarded else (0, 1))
+
+
+def test_an_open_raced_by_map_growth_inside_py_lmdbs_open_is_retried(cache_dir, monkeypatch):
+    """MDB_MAP_RESIZED from the transaction py-lmdb begins inside lmdb.open (twice in a row) is a retried open."""
+    with CachedDataset(Synthetic(8), cache_dir) as ds:
+        ds[5]
+    real_open, raised = lmdb.open, []
+
+    def resized_twice(*args, **kwargs):
+        if len(raised) < 2:
+            raised.append(1)
+            raise lmdb.MapResizedError(
+                "mdb_txn_begin: MDB_MAP_RESIZED: Database contents grew beyond environment mapsize"
+            )
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(lmdb, "open", resized_twice)
+    with CachedDataset.open(cache_dir) as ds:
+        assert_same(ds[5], sample_for(5))
+    assert len(raised) == 2
