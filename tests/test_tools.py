@@ -16,7 +16,15 @@ from helpers import Synthetic, assert_same, key, sample_for
 from test_cli import SPEC, _flip_in_file, cli, one_line_error
 from test_processes import check_cache, wait_for_count
 
-from lmdbcache import CachedDataset, CorruptCacheError, SampleNotCachedError, _registry, precompute, tools
+from lmdbcache import (
+    CachedDataset,
+    CorruptCacheError,
+    LmdbCacheError,
+    SampleNotCachedError,
+    _registry,
+    precompute,
+    tools,
+)
 from lmdbcache._scan import TEST_SIGNAL
 
 
@@ -360,3 +368,23 @@ def test_a_lock_file_that_is_a_fifo_is_refused(cache_dir):
     os.mkfifo(cache_dir / "lock.mdb")
     with pytest.raises(CorruptCacheError, match=r"holds 'lock\.mdb' as a FIFO"):
         tools.info(cache_dir)
+
+
+def test_copy_or_merge_onto_a_hard_link_of_the_source_says_so(cache_dir, tmp_path):
+    """A destination or shard whose data.mdb is a hard link of another's is refused naming the link and the fix."""
+    precompute(Synthetic(10), cache_dir, num_workers=0, progress=False)
+    before = (cache_dir / "data.mdb").read_bytes()
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    os.link(cache_dir / "data.mdb", linked / "data.mdb")
+    with pytest.raises(LmdbCacheError, match=r"same file as .*\(a hard link: device \d+, inode \d+\).*Either remove"):
+        tools.copy_cache(cache_dir, linked)
+    with pytest.raises(LmdbCacheError, match=r"is the merged cache .* under another name: .*a hard link"):
+        tools.merge(linked, [cache_dir])
+    with pytest.raises(LmdbCacheError, match=r"is shard .* under another name: .*a hard link.*List each shard once"):
+        tools.merge(tmp_path / "merged", [cache_dir, linked])
+    line = one_line_error(cli("copy", str(cache_dir), str(linked), check=None))
+    assert "hard link" in line and "Either remove" in line, line
+    assert (cache_dir / "data.mdb").read_bytes() == before
+    assert not (tmp_path / "merged").exists()
+    check_cache(cache_dir, 10)
