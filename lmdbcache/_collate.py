@@ -91,7 +91,7 @@ def wants_batch() -> bool:
     """True when the caller of ``__getitems__`` is a DataLoader fetcher whose collate_fn takes a ``Collated``."""
     try:
         fetcher = sys._getframe(2).f_locals.get("self")  # 0: here, 1: __getitems__, 2: the fetcher's fetch
-    except ValueError:
+    except (ValueError, AttributeError):  # AttributeError: a Python without sys._getframe (default_collate's path)
         return False
     return bool(getattr(getattr(fetcher, "collate_fn", None), "lmdbcache_batched", False))
 

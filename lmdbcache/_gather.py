@@ -87,6 +87,15 @@ class Layout:
         return Buffers(self, rows, memory)
 
 
+def _shared_storage(nbytes: int) -> torch.UntypedStorage:
+    """``nbytes`` of uninitialized shared memory: torch's private ``_new_shared`` (allocated there
+    at once), else the public ``share_memory_()`` (allocated privately, then moved: one copy more)."""
+    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
+    if new_shared is not None:
+        return new_shared(nbytes)  # type: ignore[no-any-return]
+    return torch.UntypedStorage(nbytes).share_memory_()  # type: ignore[no-untyped-call,no-any-return]
+
+
 def _empty(shape: tuple[int, ...], dtype: np.dtype[Any], memory: str) -> torch.Tensor:
     """An uninitialized tensor in ``memory``: "plain", "shared" (a shared-memory segment) or "pinned"."""
     if memory == "plain":
@@ -96,7 +105,7 @@ def _empty(shape: tuple[int, ...], dtype: np.dtype[Any], memory: str) -> torch.T
         return torch.empty(shape, dtype=torch_dtype, pin_memory=True)
     # Allocated shared from the start (share_memory_() would copy a private buffer into a new segment):
     # a DataLoader worker then pickles a handle to it, not its bytes.
-    storage = torch.UntypedStorage._new_shared(int(np.prod(shape)) * dtype.itemsize)  # type: ignore[no-untyped-call]
+    storage = _shared_storage(int(np.prod(shape)) * dtype.itemsize)
     out: torch.Tensor = torch.empty(0, dtype=torch_dtype).set_(storage, 0, shape)  # type: ignore[call-overload]
     return out
 
@@ -107,7 +116,7 @@ def _one_segment(specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[tor
     for shape, dtype in specs:
         offsets.append(end)
         end += -(-int(np.prod(shape)) * dtype.itemsize // 64) * 64
-    storage = torch.UntypedStorage._new_shared(end)  # type: ignore[no-untyped-call]
+    storage = _shared_storage(end)
     out = []
     for (shape, dtype), offset in zip(specs, offsets):
         torch_dtype = torch.from_numpy(np.empty(0, dtype)).dtype

@@ -163,7 +163,10 @@ import sys
 
 import torch
 
-del torch._C._storage_Use_Count  # a torch release without the private function
+del torch._C._storage_Use_Count  # a torch release without the private functions lmdbcache uses
+for cls in torch.UntypedStorage.__mro__:
+    if "_new_shared" in vars(cls):
+        delattr(cls, "_new_shared")
 from torch.utils.data import DataLoader, default_collate
 
 from helpers import Synthetic
@@ -182,7 +185,7 @@ print("ok")
 
 
 def test_collate_and_loader_work_without_torchs_private_use_count(cache_dir):
-    """A torch without torch._C._storage_Use_Count still imports lmdbcache and gives right batches (no slot reuse)."""
+    """Without torch._C._storage_Use_Count and _new_shared, lmdbcache imports and gives right batches (no reuse)."""
     from test_processes import run_script
 
     assert run_script(NO_USE_COUNT_SCRIPT, str(cache_dir)).stdout.split() == ["ok"]
@@ -203,3 +206,11 @@ def test_pin_batch_pins_every_tensor_and_keeps_the_structure(monkeypatch):
     assert type(got) is list and type(got[1]) is dict and type(got[2]) is Pair and type(got[3]) is tuple
     assert got[1]["name"] == ["a", "b"] and got[2].b == 3
     same(got, batch)
+
+
+def test_without_sys_getframe_every_batch_takes_default_collates_path(monkeypatch):
+    """A Python without sys._getframe: wants_batch says no (default_collate's path) instead of raising."""
+    import sys
+
+    monkeypatch.delattr(sys, "_getframe")
+    assert collate_module.wants_batch() is False
