@@ -220,7 +220,7 @@ def _same_dataset(found: CacheInfo, meta: dict[str, Any]) -> bool:
 def _identity(path: str) -> tuple[int, int] | None:
     try:
         st = os.stat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # NotADirectoryError: a file where a cache directory would be
         return None
     return st.st_dev, st.st_ino
 
