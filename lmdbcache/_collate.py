@@ -28,8 +28,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import get_worker_info
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import default_collate, get_worker_info
 
 from ._gather import Buffers, Layout, layout_of
 from .store import MISSING
@@ -82,7 +81,7 @@ def collate(batch: Any) -> Any:
     """
     if type(batch) is Collated:
         return batch if get_worker_info() is not None else list(batch)
-    return default_collate(batch)  # type: ignore[no-untyped-call]
+    return default_collate(batch)
 
 
 collate.lmdbcache_batched = True  # type: ignore[attr-defined]  # read by wants_batch
@@ -92,7 +91,7 @@ def wants_batch() -> bool:
     """True when the caller of ``__getitems__`` is a DataLoader fetcher whose collate_fn takes a ``Collated``."""
     try:
         fetcher = sys._getframe(2).f_locals.get("self")  # 0: here, 1: __getitems__, 2: the fetcher's fetch
-    except ValueError:
+    except (ValueError, AttributeError):  # AttributeError: a Python without sys._getframe (default_collate's path)
         return False
     return bool(getattr(getattr(fetcher, "collate_fn", None), "lmdbcache_batched", False))
 

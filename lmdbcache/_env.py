@@ -3,8 +3,12 @@
 Map size. The map starts at ``map_size`` and doubles (at least) whenever a commit would
 not fit; the store grows it by aborting the transaction, growing, and re-putting every
 queued record. A process that finds the map grown by another (``MapResizedError``) adopts
-the new size. Open with ``readahead=False``: samples are read in random order, and
-readahead would only evict useful pages.
+the new size and tries again, on every path that begins a transaction, opening included: a
+process (re)opening the cache reads the map size when it opens the file and begins its first
+transaction a moment later, and another process may grow the map in between.
+
+Open with ``readahead=False``: samples are read in random order, and readahead would only
+evict useful pages.
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ from ._lmdb_errors import readers_full, translate
 from ._options import MIB
 from .errors import CorruptCacheError, NotACacheError
 
-__all__ = ["MAX_MAP", "grown_size", "open_databases", "open_env", "reserved_size"]
+__all__ = ["MAX_MAP", "RESIZE_RETRIES", "grown_size", "open_databases", "open_env", "reserved_size"]
 
 MAX_MAP = 1 << 46  # 64 TiB: beyond what a 47-bit user address space can map
 _OPEN_RETRIES = 30  # x 0.2 s
+# Growths one open or begin rides out in a row (each at least doubles the map: more means a
+# writer growing it without end, which the error then names).
+RESIZE_RETRIES = 8
 _NOT_OURS = "Use another path, or pass overwrite=True to replace it."
 
 
@@ -44,16 +51,24 @@ def open_env(path: str, *, map_size: int, max_readers: int, readonly: bool) -> t
         subdir=True,
         create=not readonly,
     )
+    full = resized = 0
     try:
-        for attempt in range(_OPEN_RETRIES + 1):
+        while True:
             try:
                 return lmdb.open(path, readonly=readonly, **options), True
             except lmdb.ReadersFullError:
                 # py-lmdb opens with a read transaction, so a table full of dead processes'
                 # slots keeps us out until a live process clears them (Store._maybe_reader_check).
-                if attempt == _OPEN_RETRIES:
+                full += 1
+                if full > _OPEN_RETRIES:
                     raise
                 time.sleep(0.2)
+            except lmdb.MapResizedError:
+                # py-lmdb begins a read transaction inside open: another process grew the map
+                # since LMDB read its size. A new open reads the new size.
+                resized += 1
+                if resized > RESIZE_RETRIES:
+                    raise
             except lmdb.Error as exc:
                 if not readonly or ("ermission" not in str(exc) and "Read-only" not in str(exc)):
                     raise
@@ -69,7 +84,6 @@ def open_env(path: str, *, map_size: int, max_readers: int, readonly: bool) -> t
         raise readers_full(path) from None
     except lmdb.Error as exc:
         raise translate(exc, path, "opening") from exc
-    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def open_databases(env: lmdb.Environment, path: str, readonly: bool) -> tuple[Any, Any]:
@@ -79,8 +93,16 @@ def open_databases(env: lmdb.Environment, path: str, readonly: bool) -> tuple[An
     """
     # Before any page beyond the meta pages is touched: a truncated file would SIGBUS.
     check_size(path, (env.info()["last_pgno"] + 1) * env.stat()["psize"])
-    with env.begin() as txn:
-        names = {bytes(key) for key in txn.cursor().iternext(values=False)}
+    for resized in range(RESIZE_RETRIES + 1):
+        try:
+            with env.begin() as txn:
+                names = {bytes(key) for key in txn.cursor().iternext(values=False)}
+            break
+        except lmdb.MapResizedError:
+            # Another process grew the map since this one opened the file: adopt its size (0).
+            if resized == RESIZE_RETRIES:
+                raise
+            env.set_mapsize(0)
     foreign = sorted(names - {b"meta", b"samples"})
     if foreign:
         raise NotACacheError(
@@ -88,11 +110,23 @@ def open_databases(env: lmdb.Environment, path: str, readonly: bool) -> tuple[An
             f"{foreign[:3]}). {_NOT_OURS}"
         )
     try:
-        return env.open_db(b"samples", create=not readonly), env.open_db(b"meta", create=not readonly)
+        return _open_db(env, b"samples", readonly), _open_db(env, b"meta", readonly)
     except (lmdb.NotFoundError, lmdb.IncompatibleError) as exc:
         raise NotACacheError(
             f"'{path}' holds an LMDB environment that lmdbcache did not create ({exc}). {_NOT_OURS}"
         ) from exc
+
+
+def _open_db(env: lmdb.Environment, name: bytes, readonly: bool) -> Any:
+    """``env.open_db``, which begins a transaction of its own: the map may have grown meanwhile too."""
+    for resized in range(RESIZE_RETRIES + 1):
+        try:
+            return env.open_db(name, create=not readonly)
+        except lmdb.MapResizedError:
+            if resized == RESIZE_RETRIES:
+                raise
+            env.set_mapsize(0)
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def reserved_size(env: lmdb.Environment, need: int, map_size: int) -> int | None:

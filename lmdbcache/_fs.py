@@ -34,6 +34,7 @@ __all__ = [
     "check_data_file",
     "check_dir",
     "check_free_space",
+    "check_lmdb_files",
     "check_size",
     "clear_unsynced",
     "filesystem_type",
@@ -126,6 +127,38 @@ def check_dir(path: str, overwrite: bool) -> None:
         raise NotACacheError(
             f"'{path}' is not empty and holds no lmdbcache cache (it has {shown}). Use an empty or new "
             "directory, or pass overwrite=True to create the cache beside those files (they are left alone)."
+        )
+
+
+def check_lmdb_files(path: str) -> None:
+    """Refuse a ``data.mdb``, ``lock.mdb`` or ``lmdbcache.lock`` that is not a regular file, before anything opens it.
+
+    LMDB and filelock follow a symbolic link and write through it: LMDB rewrites a linked
+    ``lock.mdb`` as its 65,664-byte lock table even for a read-only open, so a link there would
+    overwrite a file outside the cache. No lmdbcache cache holds a link or a special file there.
+    (A link swapped in between this check and LMDB's open is not caught: LMDB has no O_NOFOLLOW.)
+    """
+    for name in (DATA_FILE, LOCK_FILE, WRITE_LOCK):
+        file = os.path.join(path, name)
+        try:
+            mode = os.lstat(file).st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(mode):
+            continue
+        what = _kind(mode)
+        if stat.S_ISLNK(mode):
+            what += f" to '{os.readlink(file)}'"
+        if name == DATA_FILE:
+            fix = (
+                "Put the data file itself there (replace the link by the file it points to), or open the directory "
+                "that holds it."
+            )
+        else:
+            fix = f"Remove '{file}' (it holds no data: it is made again on the next open) and open the cache again."
+        raise CorruptCacheError(
+            f"Cache '{path}' holds '{name}' as {what}, where lmdbcache and LMDB keep a plain file; it was not opened, "
+            f"so nothing it points to was written. {fix}"
         )
 
 

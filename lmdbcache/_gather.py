@@ -37,7 +37,11 @@ _xxh3 = xxhash.xxh3_64_intdigest
 _memmove = ctypes.memmove  # a ctypes call releases the GIL: large copies run in parallel
 _BIG = 64 << 10  # bytes from which a copy goes through memmove (below, a memoryview copy is cheaper)
 _FLAT = 0xC1
-_use_count = torch._C._storage_Use_Count
+# How many tensors and views share a storage: a private torch function (the one exception to the
+# STYLE's rule, because nothing public counts views). A torch without it must not break
+# `import lmdbcache`: then no slot is ever judged unused, and every batch gets new buffers
+# (correct, only without the reuse). tests/test_collate.py removes it to check that path.
+_use_count: Any = getattr(torch._C, "_storage_Use_Count", None)
 _SCALAR_DTYPES: dict[str, np.dtype[Any]] = {"q": np.dtype("<i8"), "d": np.dtype("<f8"), "?": np.dtype("u1")}
 _COLUMN_DTYPES: dict[str, np.dtype[Any]] = {"q": np.dtype("=i8"), "d": np.dtype("=f8"), "?": np.dtype("bool")}
 
@@ -83,6 +87,15 @@ class Layout:
         return Buffers(self, rows, memory)
 
 
+def _shared_storage(nbytes: int) -> torch.UntypedStorage:
+    """``nbytes`` of uninitialized shared memory: torch's private ``_new_shared`` (allocated there
+    at once), else the public ``share_memory_()`` (allocated privately, then moved: one copy more)."""
+    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
+    if new_shared is not None:
+        return new_shared(nbytes)  # type: ignore[no-any-return]
+    return torch.UntypedStorage(nbytes).share_memory_()  # type: ignore[no-untyped-call,no-any-return]
+
+
 def _empty(shape: tuple[int, ...], dtype: np.dtype[Any], memory: str) -> torch.Tensor:
     """An uninitialized tensor in ``memory``: "plain", "shared" (a shared-memory segment) or "pinned"."""
     if memory == "plain":
@@ -92,7 +105,7 @@ def _empty(shape: tuple[int, ...], dtype: np.dtype[Any], memory: str) -> torch.T
         return torch.empty(shape, dtype=torch_dtype, pin_memory=True)
     # Allocated shared from the start (share_memory_() would copy a private buffer into a new segment):
     # a DataLoader worker then pickles a handle to it, not its bytes.
-    storage = torch.UntypedStorage._new_shared(int(np.prod(shape)) * dtype.itemsize)  # type: ignore[no-untyped-call]
+    storage = _shared_storage(int(np.prod(shape)) * dtype.itemsize)
     out: torch.Tensor = torch.empty(0, dtype=torch_dtype).set_(storage, 0, shape)  # type: ignore[call-overload]
     return out
 
@@ -103,7 +116,7 @@ def _one_segment(specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[tor
     for shape, dtype in specs:
         offsets.append(end)
         end += -(-int(np.prod(shape)) * dtype.itemsize // 64) * 64
-    storage = torch.UntypedStorage._new_shared(end)  # type: ignore[no-untyped-call]
+    storage = _shared_storage(end)
     out = []
     for (shape, dtype), offset in zip(specs, offsets):
         torch_dtype = torch.from_numpy(np.empty(0, dtype)).dtype
@@ -143,9 +156,11 @@ class Buffers:
         self._pointers = [storage.data_ptr() for storage in self._storages]
         self._base = self._counts()
 
-    def _counts(self) -> list[tuple[int, int]]:
+    def _counts(self) -> list[tuple[int, int]] | None:
         """Each storage's (use count, refcount), taken the same way every time (a zip or enumerate
-        in between would hold one more reference in its reused result tuple)."""
+        in between would hold one more reference in its reused result tuple); None without the use count."""
+        if _use_count is None:
+            return None
         storages, counts = self._storages, []
         for k in range(len(storages)):
             counts.append((int(_use_count(storages[k]._cdata)), sys.getrefcount(storages[k])))
@@ -156,8 +171,11 @@ class Buffers:
         return any(st.data_ptr() != ptr for st, ptr in zip(self._storages, self._pointers))
 
     def unused(self) -> bool:
-        """True when no tensor, view or storage handed out from this slot is alive anywhere, and it did not move."""
-        return not self.busy and self._counts() == self._base and not self.moved()
+        """True when no tensor, view or storage handed out from this slot is alive anywhere, and it did not move.
+
+        Always False without torch's use count (see ``_use_count``): a slot is then never reused.
+        """
+        return not self.busy and self._base is not None and self._counts() == self._base and not self.moved()
 
     def free(self) -> bool:
         """Unused, and the consumer's device copies of its last batch (``event``) are done."""

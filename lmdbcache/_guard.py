@@ -17,8 +17,9 @@ is LMDB 0.9's ``MDB_node`` (mdb.c), fixed since 2011: 8 bytes right before the k
     an overflow page's data starts after its 16-byte page header.
 
 The mapping's address comes from /proc/self/maps (refreshed when the map moves: a growth or an
-adopted resize). Where that is unavailable (not Linux) or the layout differs (a big-endian machine) the
-check is skipped, never guessed.
+adopted resize). Where that is unavailable (not Linux) or the layout differs (a big-endian machine,
+or a py-lmdb built with an LMDB other than 0.9: ``layout_known``, which says so once with an
+``LmdbCacheWarning``) the check is skipped, never guessed: reads of a damaged file may then crash.
 
 The same header gives the value's span in the map, so a large value is also announced to the
 kernel before it is touched (``madvise(MADV_WILLNEED)`` on that span, which starts its read):
@@ -35,12 +36,16 @@ import ctypes
 import os
 import struct
 import sys
+import warnings
 from typing import Any
+
+import lmdb
 
 from ._address import address as _address
 from ._address import view as _view
+from .errors import LmdbCacheWarning
 
-__all__ = ["MapGuard"]
+__all__ = ["MapGuard", "layout_known"]
 
 _NODE = struct.Struct("<HHHH")
 _PGNO = struct.Struct("<Q")
@@ -65,6 +70,31 @@ def _libc_madvise() -> Any:
 
 
 _madvise = _libc_madvise() if sys.platform.startswith("linux") else None
+_layout_known: bool | None = None  # decided at the first guard of the process (layout_known)
+
+
+def layout_known() -> bool:
+    """Is the LMDB that py-lmdb was built with a 0.9.x, whose record layout this module parses?
+
+    Asked once per process, at the first open of a cache. Otherwise the guard stays off and
+    one ``LmdbCacheWarning`` says what that means (LMDB 1.0 changes the page and node layout).
+    """
+    global _layout_known
+    if _layout_known is None:
+        version = tuple(lmdb.version())
+        _layout_known = version[:2] == (0, 9)
+        if not _layout_known:
+            warnings.warn(
+                f"lmdbcache: py-lmdb {lmdb.__version__} is built with LMDB {'.'.join(map(str, version))}, and the "
+                "bounds check that refuses a damaged record before it is read knows only LMDB 0.9's record layout; "
+                "it is off in this process, so reading a damaged or hostile data.mdb may crash the process "
+                "(SIGBUS or SIGSEGV) instead of raising CorruptSampleError. Install a py-lmdb that bundles LMDB 0.9 "
+                "(the PyPI wheels do; a build with LMDB_FORCE_SYSTEM=1 uses the system's LMDB), or open only caches "
+                "you trust.",
+                LmdbCacheWarning,
+                stacklevel=2,
+            )
+    return _layout_known
 
 
 class MapGuard:
@@ -87,8 +117,8 @@ class MapGuard:
         Both are found first and stored together: other threads check records against them
         meanwhile (a moment with ``start`` at 0 would let their unchecked reads through).
         """
-        if not _LITTLE:
-            return  # LMDB's node header is parsed little-endian: elsewhere the check stays off, as without /proc
+        if not _LITTLE or not layout_known():
+            return  # LMDB 0.9's node header, parsed little-endian: elsewhere the check stays off, as without /proc
         try:
             st = os.stat(self.data_file)
             with open("/proc/self/maps", encoding="ascii", errors="replace") as f:

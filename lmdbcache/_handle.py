@@ -22,7 +22,7 @@ import msgpack
 
 from . import _compress, _fs, _metadata
 from ._commit import CommitQueue
-from ._env import MAX_MAP, open_databases, open_env, reserved_size
+from ._env import MAX_MAP, RESIZE_RETRIES, open_databases, open_env, reserved_size
 from ._frames import require
 from ._fs import DATA_FILE, WRITE_LOCK
 from ._guard import MapGuard
@@ -99,6 +99,7 @@ class Handle:
     def _open_env(self, *, readonly: bool) -> lmdb.Environment:
         """Open this process's environment and the two databases. Caller holds self._lock."""
         path = self.path
+        _fs.check_lmdb_files(path)  # a linked lock.mdb would be rewritten through the link, read-only too
         env, self._locked = open_env(path, map_size=self.map_size, max_readers=self.max_readers, readonly=readonly)
         try:
             self._samples, self._meta_db = open_databases(env, path, readonly)
@@ -252,17 +253,20 @@ class Handle:
             # One reader slot per process: the kept transaction and this one would take two
             # (the aborted one stays in py-lmdb's spare-transaction cache with its slot).
             self._drop_reader()
-        try:
-            return env.begin(db=db, write=write, buffers=True)
-        except lmdb.MapResizedError:
-            self._set_mapsize(env, 0)  # another process grew the map: adopt its size
-            return env.begin(db=db, write=write, buffers=True)
-        except lmdb.ReadersFullError:
-            if env.reader_check():
+        for attempt in range(RESIZE_RETRIES + 1):
+            try:
                 return env.begin(db=db, write=write, buffers=True)
-            raise readers_full(self.path) from None
-        except lmdb.Error as exc:
-            raise translate(exc, self.path, "reading") from exc
+            except lmdb.MapResizedError as exc:
+                if attempt == RESIZE_RETRIES:
+                    raise translate(exc, self.path, f"reading (the map grew {attempt + 1} times in a row)") from exc
+                self._set_mapsize(env, 0)  # another process grew the map: adopt its size, and again if it grows on
+            except lmdb.ReadersFullError:
+                if attempt < RESIZE_RETRIES and env.reader_check():
+                    continue
+                raise readers_full(self.path) from None
+            except lmdb.Error as exc:
+                raise translate(exc, self.path, "reading") from exc
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _begin_checked(self, env: lmdb.Environment, db: Any = None) -> lmdb.Transaction:
         """A read transaction on the build this process adopted (else CacheMismatchError)."""
@@ -318,5 +322,6 @@ class Handle:
 
     def _write_lock(self) -> filelock.BaseFileLock:
         if self._file_lock is None:
+            _fs.check_lmdb_files(self.path)  # filelock would follow a linked lmdbcache.lock
             self._file_lock = filelock.FileLock(os.path.join(self.path, WRITE_LOCK))
         return self._file_lock

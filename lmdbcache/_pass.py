@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import xxhash
-from torch.utils.data._utils.collate import default_collate
-from torch.utils.data._utils.pin_memory import pin_memory as pin_batch
+from torch.utils.data import default_collate
 
 from ._gather import Buffers, Layout, layout_of
 from .errors import StrayStopIterationError, add_note
@@ -83,6 +82,25 @@ class Ring:
                     self.buffers.append(buffers)
             buffers.busy, buffers.event = True, None
             return buffers
+
+
+def pin_batch(batch: Any) -> Any:
+    """``batch`` with every tensor in it copied to pinned memory (``Tensor.pin_memory``), its structure kept.
+
+    What torch's private ``_utils.pin_memory.pin_memory`` does to ``default_collate``'s output
+    (tensors in lists, tuples, named tuples and dicts; other leaves as they are), through public calls.
+    """
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory()
+    if isinstance(batch, dict):
+        return {key: pin_batch(value) for key, value in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple keeps its type
+        return type(batch)(*(pin_batch(item) for item in batch))
+    if isinstance(batch, tuple):
+        return tuple(pin_batch(item) for item in batch)
+    if isinstance(batch, list):
+        return [pin_batch(item) for item in batch]
+    return batch
 
 
 def _wait(event: Any) -> None:
@@ -149,7 +167,7 @@ class Pass:
                 if batch is None:
                     batch = self._fallback(indices)
                     if self.loader.pin_memory:
-                        batch = pin_batch(batch)  # type: ignore[no-untyped-call]  # per batch: fallback only
+                        batch = pin_batch(batch)  # per batch: fallback only
                 transform = self.loader.batch_transform
                 if transform is not None:
                     try:
@@ -210,7 +228,7 @@ class Pass:
         samples: list[Any] = []
         for f in futures:
             samples += f.result()
-        return default_collate(samples)  # type: ignore[no-untyped-call]
+        return default_collate(samples)
 
 
 def ended(replaced: bool) -> RuntimeError:

@@ -43,6 +43,7 @@ __all__ = ["acquire", "freeze_inherited", "open_store", "opened", "release"]
 _pid = os.getpid()
 _stores: dict[str, Store] = {}
 _inherited = False  # this process was forked while caches were open (see freeze_inherited)
+_frozen = False  # freeze_inherited froze this process's heap (once is enough)
 _registry_lock = threading.Lock()
 _exit_flush_pid = 0
 
@@ -167,25 +168,29 @@ def _after_fork_child() -> None:
     _registry_lock.release()
 
 
-def freeze_inherited() -> None:
-    """Once, in a DataLoader worker forked while caches were open: ``gc.freeze()``; elsewhere nothing.
+def freeze_inherited(option: bool | None = None) -> None:
+    """``gc.freeze()`` once in a DataLoader worker, as ``CachedDataset(freeze_worker_gc=option)`` asks.
+
+    ``None`` (the default): only in a worker forked while caches were open, where it pays.
+    ``True``: in any DataLoader worker (spawn and forkserver too). ``False``: never.
 
     Every object inherited from the parent goes into the collector's permanent generation,
     untouched. A full collection in the worker would otherwise write to each one's header and
     so copy every page of the parent's objects into the worker: 35 MiB per worker in make
     bench's small workload, set off by a few hundred kept pack views (issue #11; Python's gc
-    docs advise freezing for fork without exec). Only in a DataLoader worker: an inherited
-    cycle is then never collected there, which a worker (it lives for an epoch or a run, its
-    objects mostly its parent's) does not notice, and another long-lived forked child might.
+    docs advise freezing for fork without exec). The cost: every object alive then, the
+    user's too, is never collected in that worker, an inherited cycle included; a worker
+    (it lives for an epoch or a run, its objects mostly its parent's) rarely notices, and
+    ``False`` opts out. Only in a DataLoader worker: another long-lived forked child might.
     Called by ``CachedDataset`` when it acquires its store.
     """
-    global _inherited
-    if not _inherited:
+    global _inherited, _frozen
+    if option is False or _frozen or (option is None and not _inherited):
         return
     from torch.utils.data import get_worker_info  # torch is loaded: a dataset asks
 
     if get_worker_info() is not None:
-        _inherited = False
+        _inherited, _frozen = False, True
         gc.freeze()
 
 

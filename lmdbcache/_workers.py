@@ -20,8 +20,7 @@ import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from torch.utils.data import DataLoader, Dataset
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from ._collate import collate
 from ._pass import ended, one_by_one, stray

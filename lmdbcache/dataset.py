@@ -113,6 +113,11 @@ class CachedDataset(Dataset[Any]):
             each) as one LMDB record once all of them are cached, so samples of a few KiB do
             not each take whole 4 KiB pages (see the README's "Packs"). Fixed by the process
             that creates the cache; 0 (default) stores every sample as its own record.
+        freeze_worker_gc: ``gc.freeze()`` in DataLoader workers at their first use of the
+            cache, so their collections never copy the parent's pages (see the README's
+            memory notes). None (default): only in workers forked while a cache was open,
+            where it pays; True: in every DataLoader worker; False: never (the worker's
+            heap, the user's objects included, then stays collectable).
     """
 
     def __init__(
@@ -134,6 +139,7 @@ class CachedDataset(Dataset[Any]):
         compress_level: int | None = None,
         sync: bool = False,
         pack: int = 0,
+        freeze_worker_gc: bool | None = None,
     ) -> None:
         check_options(
             map_size=map_size,
@@ -148,6 +154,11 @@ class CachedDataset(Dataset[Any]):
         check_compression(compress, compress_level)
         if type(sync) is not bool:
             raise InvalidOptionError(f"sync must be True or False, not {sync!r}.")
+        if freeze_worker_gc is not None and type(freeze_worker_gc) is not bool:
+            raise InvalidOptionError(
+                f"freeze_worker_gc must be None (freeze only in forked workers), True or False, "
+                f"not {freeze_worker_gc!r}."
+            )
         if type(spot_check) is not int or spot_check < 0:
             raise InvalidOptionError(f"spot_check must be an integer >= 0 (0 turns it off), not {spot_check!r}.")
         self.dataset = dataset
@@ -157,6 +168,7 @@ class CachedDataset(Dataset[Any]):
         self._compression = (compress, compress_level)
         self._policy = Policy(commit_every, parse_size(commit_bytes, "commit_bytes"), commit_interval)
         self._always = checksum == "always"
+        self._freeze_gc = freeze_worker_gc
         self._open(fingerprint, overwrite, spot_check, pack)
 
     def _open(self, fingerprint: str | None, overwrite: bool, spot_check: int, pack: int = 0) -> None:
@@ -264,7 +276,7 @@ class CachedDataset(Dataset[Any]):
         """
         store = self._store
         if store is None or not store.owned or store.retired:
-            _registry.freeze_inherited()  # in a DataLoader worker forked with caches open (see there)
+            _registry.freeze_inherited(self._freeze_gc)  # in a DataLoader worker (see there)
             store = _registry.acquire(self.path, **self._options)
             store.expect_build(self._build)  # opening checks the cache is still the build we validated
             self._store = store

@@ -249,6 +249,7 @@ class Store(ReadPath, WritePath):
         """Create, check, upgrade or (``overwrite``) rebuild the cache, under the write lock."""
         path = self.path
         _fs.check_dir(self.path, overwrite)  # before the lock file is created: refuse without touching anything
+        _fs.check_lmdb_files(path)
         _fs.check_free_space(self.path, self.max_readers)
         with self._write_lock():
             _fs.check_dir(self.path, overwrite)

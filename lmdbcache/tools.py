@@ -168,6 +168,12 @@ def copy_cache(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, over
         dst_path = os.path.abspath(os.fspath(dst))
         if os.path.realpath(dst_path) == os.path.realpath(source.path):
             raise LmdbCacheError(f"Cannot copy '{source.path}' onto itself.")
+        shared = _shared(dst_path, source.path)
+        if shared is not None:
+            raise LmdbCacheError(
+                f"Cannot copy '{source.path}' to '{dst_path}': {shared}, so the copy would replace the source itself. "
+                f"Either {_unshare_fix(dst_path, shared)} and copy again, or choose another destination."
+            )
         there, existing = _destination(dst_path, meta, overwrite)
         if existing is not None and existing.complete and _same_dataset(existing, meta):
             return CopyResult("unchanged", existing.cached, meta["length"], time.perf_counter() - start)
@@ -182,6 +188,31 @@ def copy_cache(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, over
 copy = copy_cache
 
 
+def _shared(path: str, other: str) -> str | None:
+    """How the caches at ``path`` and ``other`` are one on disk (by device and inode), or None.
+
+    ``realpath`` sees symbolic links only: a hard link of data.mdb, or a directory bind-mounted
+    twice, is the same file under two names, which LMDB (py-lmdb: "already open in this
+    process") and a copy or merge must not take for two caches.
+    """
+    here, there = _identity(path), _identity(other)
+    if here is not None and here == there:
+        return f"'{path}' and '{other}' are the same directory (device {here[0]}, inode {here[1]}: a bind mount?)"
+    here, there = _identity(os.path.join(path, DATA_FILE)), _identity(os.path.join(other, DATA_FILE))
+    if here is not None and here == there:
+        return (
+            f"'{os.path.join(path, DATA_FILE)}' is the same file as '{os.path.join(other, DATA_FILE)}' (a hard link: "
+            f"device {here[0]}, inode {here[1]})"
+        )
+    return None
+
+
+def _unshare_fix(path: str, shared: str) -> str:
+    if "hard link" in shared:
+        return f"remove '{os.path.join(path, DATA_FILE)}' (the other name keeps the data)"
+    return f"use the directory's one path instead of '{path}'"
+
+
 def _same_dataset(found: CacheInfo, meta: dict[str, Any]) -> bool:
     return (found.fingerprint, found.length) == (meta["fingerprint"], meta["length"])
 
@@ -189,7 +220,7 @@ def _same_dataset(found: CacheInfo, meta: dict[str, Any]) -> bool:
 def _identity(path: str) -> tuple[int, int] | None:
     try:
         st = os.stat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # NotADirectoryError: a file where a cache directory would be
         return None
     return st.st_dev, st.st_ino
 
@@ -211,6 +242,7 @@ def _destination(path: str, meta: dict[str, Any], overwrite: bool) -> tuple[bool
         )
     if not os.path.isdir(path):
         return False, None
+    _fs.check_lmdb_files(path)  # a linked file there is not a damaged cache to replace: refuse it
     names = os.listdir(path)
     if DATA_FILE not in names:
         others = sorted(n for n in names if n not in _CACHE_FILES and not n.startswith(_COPY_PREFIX))
@@ -398,6 +430,18 @@ def _distinct_shards(out_path: str, shard_paths: list[str]) -> list[str]:
         if real in seen:
             same = f"'{path}'" if seen[real] == path else f"'{path}' (the same as '{seen[real]}')"
             raise LmdbCacheError(f"Shard {same} is listed twice; list each shard once.")
+        shared = _shared(path, out_path)
+        if shared is not None:
+            raise LmdbCacheError(
+                f"Shard '{path}' is the merged cache '{out_path}' under another name: {shared}, so the merge would "
+                f"read and write one cache. Write the merge to a new path, or {_unshare_fix(out_path, shared)}."
+            )
+        for earlier in seen.values():
+            shared = _shared(path, earlier)
+            if shared is not None:
+                raise LmdbCacheError(
+                    f"Shard '{path}' is shard '{earlier}' under another name: {shared}. List each shard once."
+                )
         seen[real] = path
     return shard_paths
 

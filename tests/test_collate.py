@@ -6,8 +6,7 @@ import pytest
 import torch
 from helpers import Listed, Synthetic
 from test_loader import KINDS, flat_mixed, same, warm
-from torch.utils.data import DataLoader
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import DataLoader, default_collate
 
 import lmdbcache._collate as collate_module
 from lmdbcache import CachedDataset
@@ -157,3 +156,61 @@ def test_a_collated_batch_pickles_as_one_segment(cache_dir, monkeypatch):
     got = pickle.loads(sent)
     assert type(got) is list and len({t.untyped_storage().data_ptr() for t in got}) == 1
     same(got, list(built[-1]))
+
+
+NO_USE_COUNT_SCRIPT = """
+import sys
+
+import torch
+
+del torch._C._storage_Use_Count  # a torch release without the private functions lmdbcache uses
+for cls in torch.UntypedStorage.__mro__:
+    if "_new_shared" in vars(cls):
+        delattr(cls, "_new_shared")
+from torch.utils.data import DataLoader, default_collate
+
+from helpers import Synthetic
+from lmdbcache import CachedDataset
+from lmdbcache._collate import collate
+from test_loader import same
+
+ds = CachedDataset(Synthetic(40), sys.argv[1])
+want = [default_collate([ds[i] for i in range(k, min(k + 8, 40))]) for k in range(0, 40, 8)]
+same(list(DataLoader(ds, 8, num_workers=2, multiprocessing_context="fork", collate_fn=collate)), want)
+kept = [list(ds.loader(8, num_threads=2)) for epoch in range(3)]  # batches kept: a reused slot would change them
+for epoch in kept:
+    same(epoch, want)
+print("ok")
+"""
+
+
+def test_collate_and_loader_work_without_torchs_private_use_count(cache_dir):
+    """Without torch._C._storage_Use_Count and _new_shared, lmdbcache imports and gives right batches (no reuse)."""
+    from test_processes import run_script
+
+    assert run_script(NO_USE_COUNT_SCRIPT, str(cache_dir)).stdout.split() == ["ok"]
+
+
+def test_pin_batch_pins_every_tensor_and_keeps_the_structure(monkeypatch):
+    """The loader's public pin_memory path pins each tensor of a fallback batch and keeps lists, tuples and dicts."""
+    import collections
+
+    from lmdbcache._pass import pin_batch
+
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned.append(self) or self.clone())
+    Pair = collections.namedtuple("Pair", "a b")
+    batch = [torch.ones(2), {"x": torch.zeros(1), "name": ["a", "b"]}, Pair(torch.ones(1), 3), (torch.ones(3),)]
+    got = pin_batch(batch)
+    assert len(pinned) == 4
+    assert type(got) is list and type(got[1]) is dict and type(got[2]) is Pair and type(got[3]) is tuple
+    assert got[1]["name"] == ["a", "b"] and got[2].b == 3
+    same(got, batch)
+
+
+def test_without_sys_getframe_every_batch_takes_default_collates_path(monkeypatch):
+    """A Python without sys._getframe: wants_batch says no (default_collate's path) instead of raising."""
+    import sys
+
+    monkeypatch.delattr(sys, "_getframe")
+    assert collate_module.wants_batch() is False

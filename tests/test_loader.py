@@ -9,8 +9,7 @@ import warnings
 import pytest
 import torch
 from helpers import Listed, Synthetic, key, raw_cache, sample_for
-from torch.utils.data import DataLoader, DistributedSampler
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import DataLoader, DistributedSampler, default_collate
 
 import lmdbcache._pass as pass_module
 from lmdbcache import CachedDataset, CorruptSampleError, InvalidOptionError, LmdbCacheWarning

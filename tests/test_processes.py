@@ -17,7 +17,16 @@ import torch
 from helpers import Synthetic, assert_same, sample_for, source_reads
 from torch.utils.data import DataLoader
 
-from lmdbcache import CachedDataset, CacheMismatchError, ReadersFullError, SampleNotCachedError, _env, _fs, _registry
+from lmdbcache import (
+    CachedDataset,
+    CacheMismatchError,
+    InvalidOptionError,
+    ReadersFullError,
+    SampleNotCachedError,
+    _env,
+    _fs,
+    _registry,
+)
 from lmdbcache import store as _store
 
 TESTS = Path(__file__).parent
@@ -300,6 +309,76 @@ def test_readers_keep_working_through_another_process_growing_the_map(cache_dir)
     assert len(seen) > 0
 
 
+RESIZED_AT_OPEN_SCRIPT = """
+    import os, sys, traceback
+    import lmdb, torch
+    from helpers import Huge
+    from lmdbcache import CachedDataset
+
+    torch.set_num_threads(1)  # a large torch.full in a forked child would wait for the parent's OpenMP threads
+    path, n, size = sys.argv[1], 256, 512 << 10
+    ds = CachedDataset(Huge(n, size), path, map_size=1 << 20)
+    ds[0]
+    ds.flush()
+    requests_r, requests_w = os.pipe()
+    answers_r, answers_w = os.pipe()
+
+    writer = os.fork()
+    if writer == 0:  # grows the map past what a reader has just mapped, then answers with the indices cached
+        os.close(requests_w)
+        w = CachedDataset(Huge(n, size), path, map_size=1 << 20, spot_check=0)
+        cached = 1
+        with os.fdopen(requests_r) as requests:
+            for line in requests:
+                mapped = int(line)
+                while os.path.getsize(os.path.join(path, "data.mdb")) <= mapped + (1 << 20):
+                    w[cached]
+                    w.flush()
+                    cached += 1
+                os.write(answers_w, f"{cached}\\n".encode())
+        w.close()
+        os._exit(0)
+
+    def reader():  # a forked child's lazy reopen, raced by the writer between LMDB's open and first transaction
+        real_open, answers = lmdb.open, os.fdopen(answers_r)
+        cached = []
+
+        def open_then_grow(*args, **kwargs):
+            env = real_open(*args, **kwargs)
+            if not cached:
+                os.write(requests_w, f"{env.info()['map_size']}\\n".encode())
+                cached.append(int(answers.readline()))
+            return env
+
+        lmdb.open = open_then_grow
+        for i in (0, 1):
+            sample = ds[i]  # the first read opens the cache
+        for i in range(cached[0]):
+            tensor, index = ds[i]
+            assert index == i and tensor.shape == (size,) and int(tensor[0]) == int(tensor[-1]) == i % 251, i
+
+    for _ in range(3):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                reader()
+            except BaseException:
+                traceback.print_exc()
+                os._exit(1)
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0, "a reader failed (its traceback is above)"
+    os.close(requests_w)
+    assert os.waitpid(writer, 0)[1] == 0
+    print(ds.cached_count)
+"""
+
+
+def test_a_reopen_after_fork_adopts_a_map_grown_by_another_process_meanwhile(cache_dir):
+    """A forked child's lazy reopen raced by another process growing the map (MDB_MAP_RESIZED) adopts it and reads."""
+    cached = int(run_script(RESIZED_AT_OPEN_SCRIPT, str(cache_dir)).stdout)
+    assert cached >= 4  # each reader had the writer grow the file past its map
+
+
 REBUILD_SCRIPT = """
     import sys, torch
     from helpers import Listed
@@ -553,3 +632,47 @@ def test_a_marker_of_this_boot_goes_with_verify_a_no_op_precompute_or_info(cache
     assert not marker.exists()
     _another_boot(tmp_path, monkeypatch)
     check_cache(cache_dir, 64)
+
+
+FREEZE_OPTION_SCRIPT = """
+import gc, sys
+from torch.utils.data import DataLoader, Dataset
+from helpers import Synthetic
+from lmdbcache import CachedDataset
+
+class FreezeCount(Dataset):
+    def __init__(self, ds):
+        self.ds = ds
+    def __len__(self):
+        return 2
+    def __getitem__(self, i):
+        self.ds[i]
+        gc.collect()
+        return gc.get_freeze_count()
+
+option = {"None": None, "True": True, "False": False}[sys.argv[2]]
+ds = CachedDataset(Synthetic(8), sys.argv[1], freeze_worker_gc=option)
+ds[3]
+if sys.argv[3] == "closed":
+    ds.close()  # no cache open at the fork: freezing would not pay
+loader = DataLoader(FreezeCount(ds), batch_size=None, num_workers=1, multiprocessing_context="fork")
+print(min(int(count) for count in loader), gc.get_freeze_count())
+"""
+
+
+@pytest.mark.parametrize(
+    ("option", "at_fork", "frozen"),
+    [("None", "open", True), ("None", "closed", False), ("False", "open", False), ("True", "closed", True)],
+)
+def test_freeze_worker_gc_freezes_workers_only_where_asked(cache_dir, option, at_fork, frozen):
+    """freeze_worker_gc: None freezes a DataLoader worker only if forked with a cache open; True always; False never."""
+    worker, parent = map(int, run_script(FREEZE_OPTION_SCRIPT, str(cache_dir), option, at_fork).stdout.split())
+    assert (worker > 1000) is frozen
+    assert parent == 0
+
+
+def test_freeze_worker_gc_must_be_none_or_a_bool(cache_dir):
+    """freeze_worker_gc=1 or "yes" is an InvalidOptionError naming the values it takes."""
+    for bad in (1, "yes"):
+        with pytest.raises(InvalidOptionError, match="freeze_worker_gc must be None"):
+            CachedDataset(Synthetic(8), cache_dir, freeze_worker_gc=bad)

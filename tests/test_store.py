@@ -697,3 +697,55 @@ def test_a_guard_that_cannot_look_again_refuses_reads_until_it_can(cache_dir, mo
     for i in range(4):
         assert_same(ds[i], big_sample(i))
     ds.close()
+
+
+GUARD_VERSION_SCRIPT = """
+import sys
+import warnings
+
+import lmdb
+
+built_with = tuple(int(part) for part in sys.argv[2].split("."))
+lmdb.version = lambda subpatch=False: built_with  # as a py-lmdb built with that LMDB reports it
+
+from helpers import Synthetic, assert_same, sample_for
+from lmdbcache import CachedDataset
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for _ in range(2):  # two opens, one warning
+        ds = CachedDataset(Synthetic(8), sys.argv[1])
+        assert_same(ds[3], sample_for(3))
+        on = ds._store._guard.start != 0
+        ds.close()
+print(int(on), sum("bounds check" in str(w.message) and w.category.__name__ == "LmdbCacheWarning" for w in caught))
+"""
+
+
+@pytest.mark.parametrize(
+    ("built_with", "guarded"), [("0.9.36", True), ("0.9.0", True), ("1.0.0", False), ("0.8.9", False)]
+)
+def test_the_guard_is_off_with_one_warning_under_an_lmdb_it_does_not_know(cache_dir, built_with, guarded):
+    """The record guard parses LMDB 0.9's node layout only: under another LMDB version it stays off, warned once."""
+    on, warnings_seen = map(int, run_script(GUARD_VERSION_SCRIPT, str(cache_dir), built_with).stdout.split())
+    assert (on, warnings_seen) == ((1, 0) if guarded else (0, 1))
+
+
+def test_an_open_raced_by_map_growth_inside_py_lmdbs_open_is_retried(cache_dir, monkeypatch):
+    """MDB_MAP_RESIZED from the transaction py-lmdb begins inside lmdb.open (twice in a row) is a retried open."""
+    with CachedDataset(Synthetic(8), cache_dir) as ds:
+        ds[5]
+    real_open, raised = lmdb.open, []
+
+    def resized_twice(*args, **kwargs):
+        if len(raised) < 2:
+            raised.append(1)
+            raise lmdb.MapResizedError(
+                "mdb_txn_begin: MDB_MAP_RESIZED: Database contents grew beyond environment mapsize"
+            )
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(lmdb, "open", resized_twice)
+    with CachedDataset.open(cache_dir) as ds:
+        assert_same(ds[5], sample_for(5))
+    assert len(raised) == 2

@@ -16,7 +16,15 @@ from helpers import Synthetic, assert_same, key, sample_for
 from test_cli import SPEC, _flip_in_file, cli, one_line_error
 from test_processes import check_cache, wait_for_count
 
-from lmdbcache import CachedDataset, SampleNotCachedError, _registry, precompute, tools
+from lmdbcache import (
+    CachedDataset,
+    CorruptCacheError,
+    LmdbCacheError,
+    SampleNotCachedError,
+    _registry,
+    precompute,
+    tools,
+)
 from lmdbcache._scan import TEST_SIGNAL
 
 
@@ -320,3 +328,75 @@ def test_copy_is_synced_and_drops_the_old_files_unsynced_marker(tmp_path):
     assert copied.cached_count == 12
     assert_same(copied[5], sample_for(5))
     copied.close()
+
+
+# ---------------------------------------------------------------------- files that are not ours
+
+
+def link_to_user_file(cache_dir: Path, name: str, tmp_path: Path) -> tuple[Path, bytes]:
+    """Replace the cache's ``name`` by a symbolic link to a user file outside it; return the file and its bytes."""
+    user = tmp_path / f"notes-{name}.txt"
+    content = b"my own file, not the cache's\n" * 10
+    user.write_bytes(content)
+    (cache_dir / name).unlink(missing_ok=True)
+    (cache_dir / name).symlink_to(user)
+    return user, content
+
+
+def test_a_linked_lock_file_is_refused_and_the_file_it_points_to_is_untouched(cache_dir, tmp_path):
+    """info, verify, copy and CachedDataset.open refuse a cache whose lock.mdb links to a user file, naming it."""
+    precompute(Synthetic(10), cache_dir, num_workers=0, progress=False)
+    user, content = link_to_user_file(cache_dir, "lock.mdb", tmp_path)
+    for args in (["info", str(cache_dir)], ["verify", str(cache_dir)], ["copy", str(cache_dir), str(tmp_path / "c")]):
+        line = one_line_error(cli(*args, check=None))
+        assert "lock.mdb" in line and "symbolic link" in line and "Remove" in line, line
+    with pytest.raises(CorruptCacheError, match=r"holds 'lock\.mdb' as a symbolic link to"):
+        CachedDataset.open(cache_dir)
+    with pytest.raises(CorruptCacheError, match=r"lock\.mdb"):
+        CachedDataset(Synthetic(10), cache_dir)
+    good = tmp_path / "good"
+    precompute(Synthetic(10), good, num_workers=0, progress=False)
+    with pytest.raises(CorruptCacheError, match=r"lock\.mdb"):
+        tools.copy_cache(good, cache_dir)  # the destination's link is not a damaged cache to replace
+    assert user.read_bytes() == content
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("name", ["lmdbcache.lock", "data.mdb"])
+def test_a_linked_write_lock_or_data_file_is_refused(cache_dir, tmp_path, name):
+    """A symbolic link as lmdbcache.lock or data.mdb is a CorruptCacheError naming it, before anything opens it."""
+    precompute(Synthetic(10), cache_dir, num_workers=0, progress=False)
+    user, content = link_to_user_file(cache_dir, name, tmp_path)
+    for open_it in (lambda: CachedDataset(Synthetic(10), cache_dir), lambda: CachedDataset.open(cache_dir)):
+        with pytest.raises(CorruptCacheError, match=f"holds '{re.escape(name)}' as a symbolic link"):
+            open_it()
+    assert user.read_bytes() == content
+
+
+def test_a_lock_file_that_is_a_fifo_is_refused(cache_dir):
+    """A lock.mdb that is a FIFO (not a regular file) is refused before LMDB opens it (which would block)."""
+    precompute(Synthetic(10), cache_dir, num_workers=0, progress=False)
+    (cache_dir / "lock.mdb").unlink()
+    os.mkfifo(cache_dir / "lock.mdb")
+    with pytest.raises(CorruptCacheError, match=r"holds 'lock\.mdb' as a FIFO"):
+        tools.info(cache_dir)
+
+
+def test_copy_or_merge_onto_a_hard_link_of_the_source_says_so(cache_dir, tmp_path):
+    """A destination or shard whose data.mdb is a hard link of another's is refused naming the link and the fix."""
+    precompute(Synthetic(10), cache_dir, num_workers=0, progress=False)
+    before = (cache_dir / "data.mdb").read_bytes()
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    os.link(cache_dir / "data.mdb", linked / "data.mdb")
+    with pytest.raises(LmdbCacheError, match=r"same file as .*\(a hard link: device \d+, inode \d+\).*Either remove"):
+        tools.copy_cache(cache_dir, linked)
+    with pytest.raises(LmdbCacheError, match=r"is the merged cache .* under another name: .*a hard link"):
+        tools.merge(linked, [cache_dir])
+    with pytest.raises(LmdbCacheError, match=r"is shard .* under another name: .*a hard link.*List each shard once"):
+        tools.merge(tmp_path / "merged", [cache_dir, linked])
+    line = one_line_error(cli("copy", str(cache_dir), str(linked), check=None))
+    assert "hard link" in line and "Either remove" in line, line
+    assert (cache_dir / "data.mdb").read_bytes() == before
+    assert not (tmp_path / "merged").exists()
+    check_cache(cache_dir, 10)

@@ -230,6 +230,52 @@ def test_map_grows_from_1_mib_while_others_read(cache_dir):
     print(f"map grew from 1 MiB to {size >> 20} MiB for {n} MiB of samples; readers (hits, rounds): {hits}")
 
 
+FORK_READER = """
+import os, sys, traceback
+import torch
+from lmdbcache import CachedDataset, SampleNotCachedError
+torch.set_num_threads(1)  # forked children: no OpenMP pool to inherit
+path, n, stop_file = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+ds = CachedDataset.open(path)
+forks = 0
+while not os.path.exists(stop_file) or forks < 2:
+    pid = os.fork()
+    if pid == 0:  # a lazy reopen after the fork, raced by the grower
+        try:
+            for i in range(0, n, 7):
+                try:
+                    image, label = ds[i]
+                except SampleNotCachedError:
+                    continue
+                assert label == i and int(image[0]) == i % 251, (i, label)
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0, "a forked reader failed (its traceback is above)"
+    forks += 1
+print(forks)
+"""
+
+
+def test_forked_children_reopen_while_another_process_grows_the_map(cache_dir):
+    """Forked children reopen the cache (lazily) again and again while a writer grows it from 1 MiB: none fails."""
+    n = scaled(160, 1000)  # 1 MiB samples
+    CachedDataset(Huge(n, 1 << 20), cache_dir, fingerprint="grow", map_size=1 << 20).close()
+    _registry._stores.clear()
+    stop = cache_dir.parent / "stop"
+    readers = [run_script(FORK_READER, str(cache_dir), str(n), str(stop), wait=False) for _ in range(2)]
+    run_script(GROWER, str(cache_dir), str(n))
+    stop.touch()
+    forks = []
+    for proc in readers:
+        with proc:
+            out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        forks.append(int(out))
+    print(f"forked reopens during the growth: {forks}")
+
+
 def test_disk_full_during_a_lazy_fill(tmp_path):
     """Filling on a disk that fills up raises CacheFullError naming the path and the free space; what was
     committed before stays readable and equal to its source, and nothing partial is ever served."""
