@@ -17,7 +17,7 @@ one ``.npy`` memmap. Rows:
   batch of indices to ``np.take`` of the memmap's rows (a new tensor per batch)
 - SPDL 0.8: ``PipelineBuilder`` with the batches of indices as source, ``pipe(gather,
   concurrency=2)`` (the same gather), a sink, ``build(num_threads=2)``
-- DataLoader(2 workers) over the CachedDataset, default_collate and ``lmdbcache._collate.collate``
+- DataLoader(2 workers) over the CachedDataset, default_collate and ``lmdbcache.loader._collate.collate``
 - ``ds.loader`` at 1 and 2 copy threads
 - raw py-lmdb: a plain LMDB file holding each sample's bytes under its index, ``txn.get`` with
   ``buffers=True`` copied into a reused batch buffer, the batch split over 1 and 2 threads
@@ -59,7 +59,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from lmdbcache import CachedDataset
-from lmdbcache._collate import collate
+from lmdbcache.loader._collate import collate
 
 
 class Rows(Dataset):

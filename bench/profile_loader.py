@@ -40,7 +40,9 @@ import lmdb
 import numpy as np
 import torch
 
-from lmdbcache import CachedDataset, _gather, _pass, _read
+from lmdbcache import CachedDataset
+from lmdbcache.loader import _gather, _pass
+from lmdbcache.store import _read
 
 from .loader import BATCH, Rows, cache_loader, memcpy, raw_lmdb, read_through, time_epoch, write_raw_lmdb
 

@@ -32,10 +32,10 @@ from .errors import (
 )
 
 if _typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports them
-    from ._collate import collate
-    from ._precompute import PrecomputeResult, precompute
     from .dataset import CachedDataset, default_fingerprint
-    from .loader import Loader
+    from .loader._collate import collate
+    from .loader._loader import Loader
+    from .tools._precompute import PrecomputeResult, precompute
 
 __all__ = [
     "FORMAT_VERSION",

@@ -8,8 +8,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ._pack import MAX_PACK
 from .errors import InvalidOptionError
+from .format._pack import MAX_PACK
 
 __all__ = ["MIB", "check_options", "parse_size"]
 

@@ -12,19 +12,19 @@ import numpy as np
 import xxhash
 from torch.utils.data import ConcatDataset, Dataset, Subset, TensorDataset
 
-from . import _registry
-from ._collate import gather_shared as _batched
-from ._collate import wants_batch
-from ._commit import Policy
-from ._compress import check as check_compression
-from ._diff import first_difference
 from ._options import check_options, parse_size
-from .codec import decode, encode
 from .errors import CacheMismatchError, CorruptSampleError, InvalidOptionError, SampleNotCachedError, add_note
-from .store import MISSING, Store
+from .format._compress import check as check_compression
+from .format._diff import first_difference
+from .format.codec import decode, encode
+from .loader._collate import gather_shared as _batched
+from .loader._collate import wants_batch
+from .store import _registry
+from .store._commit import Policy
+from .store._store import MISSING, Store
 
 if TYPE_CHECKING:
-    from .loader import Loader
+    from .loader._loader import Loader
 
 __all__ = ["CachedDataset", "dataset_length", "default_fingerprint"]
 
@@ -224,7 +224,7 @@ class CachedDataset(Dataset[Any]):
         """A whole batch in one read transaction, misses filled together (the DataLoader calls this).
 
         Called by a DataLoader whose ``collate_fn`` is ``lmdbcache.collate``, a batch of flat
-        samples comes back already collated into shared memory (``lmdbcache._collate``).
+        samples comes back already collated into shared memory (``lmdbcache.loader._collate``).
         """
         indices = self.checked_indices(indices)
         store = self._live_store()
@@ -344,7 +344,7 @@ class CachedDataset(Dataset[Any]):
         record_event, seed_transforms, num_workers, multiprocessing_context), the order, and
         resuming with ``state_dict``.
         """
-        from .loader import Loader  # lazy: keeps `import lmdbcache` light
+        from .loader._loader import Loader
 
         return Loader(self, batch_size, **kwargs)
 

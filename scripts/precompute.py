@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from lmdbcache.cli import main
+from lmdbcache.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["precompute", *sys.argv[1:]]))

@@ -8,7 +8,7 @@ import tempfile
 import pytest
 from helpers import unmount_leftovers
 
-from lmdbcache import _registry
+from lmdbcache.store import _registry
 
 
 @pytest.fixture

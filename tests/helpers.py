@@ -191,7 +191,7 @@ def report_written(path: str, directory: str) -> None:
     """At this process's exit, record how many samples its commits wrote to ``path`` (a DataLoader worker_init_fn)."""
     import multiprocessing.util
 
-    from lmdbcache import _registry
+    from lmdbcache.store import _registry
 
     def write() -> None:
         store = _registry._stores.get(os.path.realpath(path))
@@ -222,7 +222,7 @@ def small_disk(tmp_path: Path, size: str) -> Iterator[Path]:
     """A tmpfs of ``size`` mounted under ``tmp_path`` (the test is skipped where mounting is not allowed)."""
     import pytest
 
-    from lmdbcache import _registry
+    from lmdbcache.store import _registry
 
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")

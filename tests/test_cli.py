@@ -16,8 +16,9 @@ import pytest
 from helpers import Synthetic
 from test_processes import check_cache, wait_for_count
 
-from lmdbcache import FORMAT_VERSION, CachedDataset, _registry, precompute, tools
-from lmdbcache._spec import load_spec, parse_args_kv
+from lmdbcache import FORMAT_VERSION, CachedDataset, precompute, tools
+from lmdbcache.store import _registry
+from lmdbcache.tools._spec import load_spec, parse_args_kv
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
@@ -38,7 +39,7 @@ def cli(*args: str, check: int | None = 0, wait: bool = True, env: dict | None =
 
 def run_main(capsys, *args: str) -> subprocess.CompletedProcess:
     """``lmdbcache ARGS`` in this process (no interpreter start-up): for help and user-error paths."""
-    from lmdbcache.cli import main
+    from lmdbcache.tools.cli import main
 
     try:
         code = main(list(args))
@@ -355,7 +356,7 @@ def test_precompute_help_prints_the_shard_rule_with_one_percent(capsys):
 def test_warm_warns_about_memory_on_stderr(cache_dir, capsys, monkeypatch):
     """warm's low-memory warning goes to stderr; stdout holds only the result."""
     cli("precompute", SPEC, str(cache_dir), "--arg", "n=20", "--quiet")
-    from lmdbcache import cli as cli_module
+    from lmdbcache.tools import cli as cli_module
 
     monkeypatch.setattr(cli_module, "_mem_available", lambda: 1)
     result = run_main(capsys, "warm", str(cache_dir), "--quiet")
@@ -401,7 +402,8 @@ def test_compress_without_its_module_is_refused_before_anything_is_created(cache
 
 def test_compress_without_its_module_from_python_creates_nothing(cache_dir, monkeypatch):
     """CachedDataset(compress='zstd') and precompute without zstandard raise MissingExtraError and create nothing."""
-    from lmdbcache import MissingExtraError, _frames
+    from lmdbcache import MissingExtraError
+    from lmdbcache.format import _frames
 
     monkeypatch.setitem(sys.modules, "zstandard", None)
     _frames._module.cache_clear()  # forget a zstandard imported by an earlier test

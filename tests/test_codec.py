@@ -21,14 +21,14 @@ import torch
 import xxhash
 from helpers import assert_same, golden_samples, tensor_bytes
 from hypothesis import given, settings
+from lmdbcache.codec import TORCH_DTYPES, decode, encode
 from strategies import numpy_arrays, samples, structured_arrays, tensors
 from test_processes import run_script
 
 import lmdbcache
 from lmdbcache import CorruptSampleError, InvalidOptionError, UnsupportedSampleError
-from lmdbcache._format import PIL_BITS
 from lmdbcache._version import FORMAT_VERSION
-from lmdbcache.codec import TORCH_DTYPES, decode, encode
+from lmdbcache.format._format import PIL_BITS
 
 ALL_TORCH_DTYPES = [
     getattr(torch, name) for name in TORCH_DTYPES if isinstance(getattr(torch, name, None), torch.dtype)
@@ -260,7 +260,7 @@ def test_flat_form_for_tensor_and_scalars():
 
 def test_a_planned_flat_sample_is_written_as_the_general_path_writes_it():
     """The flat plan cache writes the same bytes as the first, checked write; what it cannot take falls back."""
-    from lmdbcache import _encode
+    from lmdbcache.format import _encode
 
     base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     kinds = [

@@ -8,9 +8,9 @@ from helpers import Listed, Synthetic
 from test_loader import KINDS, flat_mixed, same, warm
 from torch.utils.data import DataLoader, default_collate
 
-import lmdbcache._collate as collate_module
+import lmdbcache.loader._collate as collate_module
 from lmdbcache import CachedDataset
-from lmdbcache._collate import Collated, collate
+from lmdbcache.loader._collate import Collated, collate
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -171,7 +171,7 @@ from torch.utils.data import DataLoader, default_collate
 
 from helpers import Synthetic
 from lmdbcache import CachedDataset
-from lmdbcache._collate import collate
+from lmdbcache.loader._collate import collate
 from test_loader import same
 
 ds = CachedDataset(Synthetic(40), sys.argv[1])
@@ -195,7 +195,7 @@ def test_pin_batch_pins_every_tensor_and_keeps_the_structure(monkeypatch):
     """The loader's public pin_memory path pins each tensor of a fallback batch and keeps lists, tuples and dicts."""
     import collections
 
-    from lmdbcache._pass import pin_batch
+    from lmdbcache.loader._pass import pin_batch
 
     pinned = []
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned.append(self) or self.clone())

@@ -13,15 +13,15 @@ import torch
 from helpers import Compressible, assert_same, compressible_for, golden_samples, key, raw_cache
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lmdbcache.codec import decode, encode
 from strategies import samples, tensors
 from test_cli import _flip_in_file, cli
 from test_processes import run_script, wait_for_count
 
 import lmdbcache
 from lmdbcache import CachedDataset, CacheMismatchError, CorruptSampleError, InvalidOptionError, tools
-from lmdbcache._compress import Compressor
-from lmdbcache._frames import FRAME, take
-from lmdbcache.codec import decode, encode
+from lmdbcache.format._compress import Compressor
+from lmdbcache.format._frames import FRAME, take
 
 CODECS = ["lz4", "zstd"]
 FRAMED = b"LMC\x03"
@@ -128,7 +128,7 @@ def test_format_3_metadata_with_a_hostile_compress_field_is_refused(cache_dir):
             meta = msgpack.unpackb(txn.get(b"meta", db=meta_db))
             meta["compress"], meta["compress_level"] = codec, level
             txn.put(b"meta", msgpack.packb(meta), db=meta_db)
-        lmdbcache._registry._stores.clear()
+        lmdbcache.store._registry._stores.clear()
         with pytest.raises(lmdbcache.CorruptCacheError, match="compress"):
             CachedDataset.open(cache_dir)
 
@@ -169,7 +169,7 @@ def test_verify_detects_a_damaged_compressed_record_and_repair_refills(cache_dir
     with pytest.raises(CorruptSampleError, match="index 17 is damaged"):
         ds[17]
     ds.close()
-    lmdbcache._registry._stores.clear()
+    lmdbcache.store._registry._stores.clear()
     assert "deleted 1 damaged (17)" in cli("verify", str(cache_dir), "--repair", "--quiet").stdout
     cli("precompute", SPEC, str(cache_dir), "--arg", "n=30", "--quiet", "--workers", "0")
     check_cache(cache_dir, 30)
@@ -328,7 +328,7 @@ def test_damaged_compressed_values_never_decode_wrong(codec, data):
 def test_buffers_the_codec_cannot_take_are_stored_raw(codec, monkeypatch):
     """A buffer over lz4's input limit (~2.1 GB; lowered here) or one the codec refuses is stored raw, never a
     raw OverflowError (found by the attack: a 2.15 GB tensor with compress='lz4')."""
-    import lmdbcache._compress as compress_module
+    import lmdbcache.format._compress as compress_module
 
     compressible = (torch.zeros(4096), 1)  # 16 KiB of zeros: pays with either codec
     value = encode(compressible, 7)

@@ -23,8 +23,8 @@ from lmdbcache import (
     NotACacheError,
     SampleNotCachedError,
     UnsupportedSampleError,
-    _registry,
 )
+from lmdbcache.store import _registry
 
 
 def test_len_and_indexing(cache_dir):

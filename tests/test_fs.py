@@ -6,7 +6,8 @@ import pytest
 from helpers import Synthetic
 
 import lmdbcache
-from lmdbcache import CachedDataset, _fs
+from lmdbcache import CachedDataset
+from lmdbcache.store import _fs
 
 
 def test_network_filesystem_warns_once(cache_dir, monkeypatch):

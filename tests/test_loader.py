@@ -11,7 +11,7 @@ import torch
 from helpers import Listed, Synthetic, key, raw_cache, sample_for
 from torch.utils.data import DataLoader, DistributedSampler, default_collate
 
-import lmdbcache._pass as pass_module
+import lmdbcache.loader._pass as pass_module
 from lmdbcache import CachedDataset, CorruptSampleError, InvalidOptionError, LmdbCacheWarning
 
 pytestmark = pytest.mark.timeout(60)
@@ -296,7 +296,7 @@ def test_a_kept_batch_is_never_overwritten(cache_dir, copies):
 
 def test_buffers_are_reused_when_batches_are_dropped(cache_dir, monkeypatch):
     """A consumer that keeps nothing costs at most prefetch + 3 batch allocations over several epochs."""
-    import lmdbcache._gather as gather
+    import lmdbcache.loader._gather as gather
 
     ds = warm(CachedDataset(Synthetic(64), cache_dir))
     made = []
@@ -483,7 +483,7 @@ class FakeEvent:
 
 def test_a_slot_is_reused_only_after_its_device_event(cache_dir, monkeypatch):
     """With record_event, a slot whose batch the consumer dropped waits for its event; nothing is allocated instead."""
-    import lmdbcache._gather as gather
+    import lmdbcache.loader._gather as gather
 
     ds = warm(CachedDataset(Synthetic(64), cache_dir))
     events: list[FakeEvent] = []

@@ -14,7 +14,8 @@ from helpers import Listed, Synthetic, assert_same, key, raw_cache, sample_for
 from test_cli import SPEC, _flip_in_file, cli
 from test_processes import FILL_SCRIPT, check_cache, run_script, wait_for_count
 
-from lmdbcache import CachedDataset, CorruptCacheError, InvalidOptionError, _registry, precompute, tools
+from lmdbcache import CachedDataset, CorruptCacheError, InvalidOptionError, precompute, tools
+from lmdbcache.store import _registry
 
 PACK_FILL = FILL_SCRIPT.replace("path, commit_every=", "path, pack=8, commit_every=")
 
@@ -335,7 +336,7 @@ def test_repair_grows_the_map_to_unpack_chunks_of_a_compacted_copy(tmp_path):
 def test_a_fresh_pass_checks_each_packs_record_once_and_every_span(cache_dir, monkeypatch):
     """A fresh process's first pass over a packed chunk bounds-checks the pack's record once per read transaction
     (not once per index), and still checks each index's span: a broken span is found on that index's first read."""
-    from lmdbcache import _guard
+    from lmdbcache.store import _guard
 
     precompute(Synthetic(16), cache_dir, num_workers=0, progress=False, pack=8, check_determinism=0)
     _edit_pack(cache_dir, 8, _pair(5, 8, 1 << 30))  # index 13's span runs off the pack

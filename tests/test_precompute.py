@@ -11,7 +11,8 @@ from helpers import Synthetic, assert_same, sample_for, small_disk
 from test_cli import SPEC, cli, one_line_error, slow_precompute
 from test_processes import check_cache, wait_for_count
 
-from lmdbcache import CachedDataset, CacheMismatchError, _registry, precompute, tools
+from lmdbcache import CachedDataset, CacheMismatchError, precompute, tools
+from lmdbcache.store import _registry
 
 
 def test_python_api_precompute(cache_dir):

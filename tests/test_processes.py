@@ -17,17 +17,9 @@ import torch
 from helpers import Synthetic, assert_same, sample_for, source_reads
 from torch.utils.data import DataLoader
 
-from lmdbcache import (
-    CachedDataset,
-    CacheMismatchError,
-    InvalidOptionError,
-    ReadersFullError,
-    SampleNotCachedError,
-    _env,
-    _fs,
-    _registry,
-)
+from lmdbcache import CachedDataset, CacheMismatchError, InvalidOptionError, ReadersFullError, SampleNotCachedError
 from lmdbcache import store as _store
+from lmdbcache.store import _env, _fs, _registry
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
@@ -585,7 +577,7 @@ PRECOMPUTE_INTERRUPT_SCRIPT = """
 import os, signal, sys
 from helpers import Synthetic
 from lmdbcache import _fs
-from lmdbcache.cli import main
+from lmdbcache.tools.cli import main
 
 real_sync = _fs.sync_data_file
 
@@ -628,7 +620,7 @@ def test_a_marker_of_this_boot_goes_with_verify_a_no_op_precompute_or_info(cache
     marker.write_text(f"{_fs.boot_id()}\n{{}}\n")  # as a process killed after a commit leaves it
     path = str(cache_dir)
     argv = [command[0], *([command[1], path, *command[2:]] if command[0] == "precompute" else [path])]
-    run_script("import sys; from lmdbcache.cli import main; sys.exit(main(sys.argv[1:]))", *argv)
+    run_script("import sys; from lmdbcache.tools.cli import main; sys.exit(main(sys.argv[1:]))", *argv)
     assert not marker.exists()
     _another_boot(tmp_path, monkeypatch)
     check_cache(cache_dir, 64)

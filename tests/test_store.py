@@ -25,9 +25,8 @@ from lmdbcache import (
     LmdbCacheWarning,
     NotACacheError,
     ReadOnlyCacheError,
-    _fs,
-    _registry,
 )
+from lmdbcache.store import _fs, _registry
 
 GOLDEN = Path(__file__).parent / "data" / "golden-v1"
 
@@ -387,7 +386,7 @@ def big_sample(i: int) -> tuple[torch.Tensor, int]:
 @pytest.fixture
 def advice(monkeypatch):
     """Every read counted as cold (so the prefetch path always runs); the madvise calls it makes, recorded."""
-    from lmdbcache import _guard, _read
+    from lmdbcache.store import _guard, _read
 
     calls: list[tuple[int, int, int]] = []
     real = _guard._madvise
@@ -474,7 +473,7 @@ def test_a_damaged_overflow_page_number_is_refused_before_it_is_announced(cache_
 
 def test_the_prefetch_is_a_no_op_without_proc_self_maps_or_madvise(cache_dir, advice, monkeypatch):
     """Where /proc/self/maps (or libc's madvise) is missing, large values read as before and nothing is advised."""
-    from lmdbcache import _guard
+    from lmdbcache.store import _guard
 
     _big_cache(cache_dir, 6)
     real_open = open
@@ -578,7 +577,7 @@ def test_the_guard_keeps_checking_while_it_looks_for_the_map_again(cache_dir, mo
     """refresh() (run by every scan's readahead) never leaves the guard without a map address while it re-reads
     /proc/self/maps: another thread's check meanwhile would have let a damaged record through (a SIGBUS, found by
     the attack: a reader thread beside copy_cache)."""
-    from lmdbcache import _guard
+    from lmdbcache.store import _guard
 
     _big_cache(cache_dir, 4)
     seen = []
@@ -646,7 +645,7 @@ def test_buffer_addresses_are_right_in_every_thread(cache_dir):
 
     import numpy as np
 
-    from lmdbcache._address import _numpy_address, address
+    from lmdbcache.store._address import _numpy_address, address
 
     _big_cache(cache_dir, 4)
     failures = []
@@ -677,7 +676,7 @@ def test_a_guard_that_cannot_look_again_refuses_reads_until_it_can(cache_dir, mo
     """A refresh that cannot read /proc/self/maps (out of file descriptors) once the guard is on never turns the
     check off (a hostile record read unchecked kills the process, found by the attack): reads fail, saying why,
     and work again once it can look."""
-    from lmdbcache import _guard
+    from lmdbcache.store import _guard
 
     _big_cache(cache_dir, 4)
     ds = CachedDataset.open(cache_dir)

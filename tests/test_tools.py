@@ -16,16 +16,9 @@ from helpers import Synthetic, assert_same, key, sample_for
 from test_cli import SPEC, _flip_in_file, cli, one_line_error
 from test_processes import check_cache, wait_for_count
 
-from lmdbcache import (
-    CachedDataset,
-    CorruptCacheError,
-    LmdbCacheError,
-    SampleNotCachedError,
-    _registry,
-    precompute,
-    tools,
-)
-from lmdbcache._scan import TEST_SIGNAL
+from lmdbcache import CachedDataset, CorruptCacheError, LmdbCacheError, SampleNotCachedError, precompute, tools
+from lmdbcache.store import _registry
+from lmdbcache.tools._scan import TEST_SIGNAL
 
 
 def test_info_is_a_frozen_dataclass_and_the_old_spellings_still_work(cache_dir):
@@ -312,7 +305,7 @@ def test_merge_verifies_each_value_against_its_index(tmp_path):
 def test_copy_is_synced_and_drops_the_old_files_unsynced_marker(tmp_path):
     """A copy replaces a cache whose unsynced-commits marker came from another boot: the copy was synced before
     the swap, so the marker (which described the old file) goes with it, and the copy opens without a rebuild."""
-    from lmdbcache import _fs
+    from lmdbcache.store import _fs
 
     src, dst = tmp_path / "src", tmp_path / "dst"
     ds = CachedDataset(Synthetic(12), src)

@@ -50,7 +50,8 @@ from conftest import STRESS, scaled
 from helpers import Listed, assert_same, sample_for
 
 import lmdbcache
-from lmdbcache import CachedDataset, LmdbCacheError, _registry, tools
+from lmdbcache import CachedDataset, LmdbCacheError, tools
+from lmdbcache.store import _registry
 
 N = 40
 FINGERPRINT = "fuzz"

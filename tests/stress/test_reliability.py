@@ -20,15 +20,8 @@ from test_cli import _flip_in_file, cli
 from test_processes import check_cache, run_script, wait_for_count
 
 import lmdbcache
-from lmdbcache import (
-    CachedDataset,
-    CacheFullError,
-    CacheMismatchError,
-    CorruptSampleError,
-    SampleNotCachedError,
-    _handle,
-    _registry,
-)
+from lmdbcache import CachedDataset, CacheFullError, CacheMismatchError, CorruptSampleError, SampleNotCachedError
+from lmdbcache.store import _handle, _registry
 
 WORKER = """
 import functools, json, random, sys

@@ -24,8 +24,8 @@ import stat
 import warnings
 from typing import Any
 
-from ._options import MIB
-from .errors import CacheFullError, CorruptCacheError, LmdbCacheWarning, NotACacheError
+from .._options import MIB
+from ..errors import CacheFullError, CorruptCacheError, LmdbCacheWarning, NotACacheError
 
 __all__ = [
     "DATA_FILE",

@@ -47,18 +47,9 @@ from typing import Any
 
 import lmdb
 
-from . import _compress, _fs, _metadata, _pack
-from ._commit import CommitQueue, Policy
-from ._env import MAX_MAP
-from ._frames import require
-from ._fs import DATA_FILE, LOCK_FILE, WRITE_LOCK
-from ._lmdb_errors import REBUILD, translate, write_failure
-from ._options import MIB, parse_size
-from ._read import MISSING, ReadPath
-from ._signals import interrupts_held
-from ._version import FORMAT_VERSION
-from ._write import WritePath, sync_and_clear
-from .errors import (
+from .._options import MIB, parse_size
+from .._version import FORMAT_VERSION
+from ..errors import (
     CacheMismatchError,
     CorruptCacheError,
     InvalidOptionError,
@@ -66,6 +57,16 @@ from .errors import (
     NotACacheError,
     ReadOnlyCacheError,
 )
+from ..format import _compress, _pack
+from ..format._frames import require
+from . import _fs, _metadata
+from ._commit import CommitQueue, Policy
+from ._env import MAX_MAP
+from ._fs import DATA_FILE, LOCK_FILE, WRITE_LOCK
+from ._lmdb_errors import REBUILD, translate, write_failure
+from ._read import MISSING, ReadPath
+from ._signals import interrupts_held
+from ._write import WritePath, sync_and_clear
 
 __all__ = ["DATA_FILE", "LOCK_FILE", "MISSING", "WRITE_LOCK", "Store"]
 

@@ -1,6 +1,6 @@
 """``collate``: default_collate for ``DataLoader(CachedDataset)`` that takes batches built in the worker.
 
-    from lmdbcache._collate import collate   # lmdbcache.collate once the package exports it
+    from lmdbcache.loader._collate import collate   # lmdbcache.collate once the package exports it
     DataLoader(ds, 64, num_workers=2, collate_fn=collate)
 
 With ``collate`` as the DataLoader's ``collate_fn``, ``CachedDataset.__getitems__`` (called
@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
+from ..store._store import MISSING
 from ._gather import Buffers, Layout, layout_of
-from .store import MISSING
 
 if TYPE_CHECKING:
-    from .store import Store
+    from ..store._store import Store
 
 __all__ = ["Collated", "collate", "gather_shared", "wants_batch"]
 

@@ -26,10 +26,10 @@ import numpy as np
 import torch
 import xxhash
 
-from ._address import address as _address
-from ._decode import flat_plan
-from ._format import HEAD_AND_FLAT, MAGIC
-from .errors import CorruptSampleError
+from ..errors import CorruptSampleError
+from ..format._decode import flat_plan
+from ..format._format import HEAD_AND_FLAT, MAGIC
+from ..store._address import address as _address
 
 __all__ = ["Buffers", "Layout", "layout_of"]
 
@@ -134,7 +134,7 @@ class Buffers:
         self.layout, self.rows = layout, rows
         specs = [((rows, *shape), carrier) for _, _, carrier, shape, _ in layout.tensors]
         specs += [((rows,), _COLUMN_DTYPES[code]) for _, code in layout.scalars]
-        # "shared": one segment per batch, so a DataLoader worker sends one handle for it (lmdbcache._collate).
+        # "shared": one segment per batch, so a DataLoader worker sends one handle for it (lmdbcache.loader._collate).
         shared = memory == "shared"
         fields = _one_segment(specs) if shared else [_empty(shape, dtype, memory) for shape, dtype in specs]
         self.tensors, self.columns = fields[: len(layout.tensors)], fields[len(layout.tensors) :]

@@ -24,11 +24,11 @@ from typing import Any
 
 import msgpack
 
-from ._compress import CODECS, LEVELS
+from .._version import FORMAT_VERSION, OLDEST_READABLE_FORMAT, __version__
+from ..errors import CacheMismatchError, CorruptCacheError, NotACacheError
+from ..format._compress import CODECS, LEVELS
+from ..format._pack import MAX_PACK
 from ._lmdb_errors import REBUILD
-from ._pack import MAX_PACK
-from ._version import FORMAT_VERSION, OLDEST_READABLE_FORMAT, __version__
-from .errors import CacheMismatchError, CorruptCacheError, NotACacheError
 
 __all__ = [
     "KEY", "check", "check_compression", "compression", "new", "parse", "rebuilt_message", "upgraded", "validate",

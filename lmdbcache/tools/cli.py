@@ -17,8 +17,8 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from ._version import __version__
-from .errors import LmdbCacheError
+from .._version import __version__
+from ..errors import LmdbCacheError
 
 if TYPE_CHECKING:  # imported by the commands that need them (some import torch)
     from ._verify import VerifyResult
@@ -77,7 +77,7 @@ def _parse_shard(text: str) -> tuple[int, int]:
 
 def _parse_compress(text: str) -> tuple[str, int | None]:
     """``--compress``: ``lz4`` or ``zstd``, with an optional ``:LEVEL``."""
-    from ._compress import check
+    from ..format._compress import check
 
     codec, sep, digits = text.partition(":")
     try:
@@ -241,11 +241,11 @@ def _bar(total: int | None, unit: str, quiet: bool, **kwargs: Any) -> Any:
 def _precompute(args: argparse.Namespace) -> int:
     codec = args.compress[0]
     if codec is not None:  # before the SPEC is loaded and anything is created
-        from ._frames import require
+        from ..format._frames import require
 
         require(codec, asked=f"`--compress {codec}`")
     with _interrupt_not_lost():
-        from ._precompute import precompute  # imports torch, the SPEC's module too
+        from ._precompute import precompute
         from ._spec import load_spec, parse_args_kv
 
         dataset = load_spec(args.spec, parse_args_kv(args.arg))
@@ -298,7 +298,7 @@ def _interrupt_not_lost() -> Iterator[None]:
 def _info(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from .tools import info
+    from ._ops import info
 
     data = info(args.path)
     if args.json:
@@ -318,7 +318,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .tools import verify
+    from ._ops import verify
 
     with _bar(None, "sample", args.quiet) as bar:
 
@@ -374,7 +374,7 @@ def _verify_report(result: VerifyResult, repair: bool) -> tuple[str, int]:
 
 
 def _warm(args: argparse.Namespace) -> int:
-    from .tools import warm
+    from ._ops import warm
 
     size = os.path.getsize(os.path.join(args.path, "data.mdb")) if os.path.isdir(args.path) else None
     available = _mem_available()
@@ -403,7 +403,7 @@ def _mem_available() -> int | None:
 
 
 def _copy(args: argparse.Namespace) -> int:
-    from .tools import copy_cache
+    from ._ops import copy_cache
 
     result = copy_cache(args.src, args.dst, overwrite=args.overwrite)
     if result.action == "unchanged":
@@ -423,7 +423,7 @@ def _copy(args: argparse.Namespace) -> int:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    from .tools import merge
+    from ._ops import merge
 
     with _bar(None, "sample", args.quiet) as bar:
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 import msgpack
 import numpy as np
 
+from ..errors import CorruptSampleError
 from ._dtypes import build_dtype, int_tuple, plain_dtype, v1_dtype
 from ._format import (
     ARRAY_HEAD,
@@ -30,7 +31,6 @@ from ._format import (
     shape_problem,
     torch_dtypes,
 )
-from .errors import CorruptSampleError
 
 if TYPE_CHECKING:
     import torch

@@ -35,8 +35,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .errors import LmdbCacheWarning
-from .store import Store
+from ..errors import LmdbCacheWarning
+from ._store import Store
 
 __all__ = ["acquire", "freeze_inherited", "open_store", "opened", "release"]
 

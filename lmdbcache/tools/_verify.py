@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable
 from typing import IO, Any
 
-from .errors import LmdbCacheError, LmdbCacheWarning
+from ..errors import LmdbCacheError, LmdbCacheWarning
 
 __all__ = ["Progress", "VerifyResult", "verify"]
 
@@ -57,7 +57,9 @@ class VerifyResult:
 
 # Signals the file's damage itself can cause (bad page numbers and lengths); others came from outside.
 _FAULTS = {"SIGSEGV", "SIGBUS", "SIGABRT", "SIGFPE", "SIGILL"}
-_CHILD = "import sys; sys.path.insert(0, sys.argv[1]); from lmdbcache._scan import main; sys.exit(main(sys.argv[2:]))"
+_CHILD = (
+    "import sys; sys.path.insert(0, sys.argv[1]); from lmdbcache.tools._scan import main; sys.exit(main(sys.argv[2:]))"
+)
 
 
 def verify(
@@ -216,7 +218,7 @@ class _ScanState:
 
 def _error_class(name: str) -> type[BaseException]:
     """The class of an error the child met, by name: one of ours or a builtin OSError."""
-    from . import errors
+    from .. import errors
 
     found = getattr(errors, name, None) or getattr(builtins, name, None)
     if isinstance(found, type) and issubclass(found, (LmdbCacheError, OSError)):

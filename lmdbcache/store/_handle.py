@@ -20,15 +20,16 @@ import filelock
 import lmdb
 import msgpack
 
-from . import _compress, _fs, _metadata
+from .._options import MIB, parse_size
+from ..errors import CacheClosedError, CacheMismatchError, NotACacheError
+from ..format import _compress
+from ..format._frames import require
+from . import _fs, _metadata
 from ._commit import CommitQueue
 from ._env import MAX_MAP, RESIZE_RETRIES, open_databases, open_env, reserved_size
-from ._frames import require
 from ._fs import DATA_FILE, WRITE_LOCK
 from ._guard import MapGuard
 from ._lmdb_errors import readers_full, translate
-from ._options import MIB, parse_size
-from .errors import CacheClosedError, CacheMismatchError, NotACacheError
 
 __all__ = ["Handle"]
 

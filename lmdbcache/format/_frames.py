@@ -14,7 +14,7 @@ import threading
 from types import ModuleType
 from typing import Any
 
-from .errors import CorruptSampleError, MissingExtraError
+from ..errors import CorruptSampleError, MissingExtraError
 
 __all__ = ["CODECS", "FRAME", "MAX_RATIO", "require", "take"]
 

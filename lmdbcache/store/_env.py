@@ -18,10 +18,10 @@ from typing import Any
 
 import lmdb
 
+from .._options import MIB
+from ..errors import CorruptCacheError, NotACacheError
 from ._fs import DATA_FILE, check_size
 from ._lmdb_errors import readers_full, translate
-from ._options import MIB
-from .errors import CorruptCacheError, NotACacheError
 
 __all__ = ["MAX_MAP", "RESIZE_RETRIES", "grown_size", "open_databases", "open_env", "reserved_size"]
 

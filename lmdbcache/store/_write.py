@@ -24,13 +24,14 @@ from typing import Any
 
 import lmdb
 
-from . import _fs, _metadata, _pack
+from ..errors import CacheMismatchError, LmdbCacheError, ReadOnlyCacheError
+from ..format import _pack
+from . import _fs, _metadata
 from ._commit import Policy
 from ._env import grown_size
 from ._handle import Handle
 from ._lmdb_errors import write_failure
 from ._signals import interrupts_held
-from .errors import CacheMismatchError, LmdbCacheError, ReadOnlyCacheError
 
 __all__ = ["WritePath", "sync_and_clear"]
 

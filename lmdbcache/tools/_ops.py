@@ -16,11 +16,11 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from . import _fs, _metadata, _registry
+from ..errors import CacheMismatchError, CorruptCacheError, CorruptSampleError, LmdbCacheError, NotACacheError
+from ..store import _fs, _metadata, _registry
+from ..store._store import DATA_FILE, LOCK_FILE, WRITE_LOCK, Store
 from ._scan import decode_problem
 from ._verify import Progress, VerifyResult, verify
-from .errors import CacheMismatchError, CorruptCacheError, CorruptSampleError, LmdbCacheError, NotACacheError
-from .store import DATA_FILE, LOCK_FILE, WRITE_LOCK, Store
 
 __all__ = [
     "CacheInfo",

@@ -16,6 +16,7 @@ import msgpack
 import numpy as np
 import xxhash
 
+from ..errors import CorruptSampleError, InvalidOptionError, UnsupportedSampleError
 from ._dtypes import build_dtype, describe_dtype, plain_str, refusal, same_dtype
 from ._format import (
     ARRAY_HEAD,
@@ -49,7 +50,6 @@ from ._format import (
     typename,
 )
 from ._records import remember
-from .errors import CorruptSampleError, InvalidOptionError, UnsupportedSampleError
 
 if TYPE_CHECKING:
     import torch

@@ -42,9 +42,10 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from . import _registry, codec
-from .errors import CorruptCacheError, CorruptSampleError, LmdbCacheError
-from .store import Store
+from ..errors import CorruptCacheError, CorruptSampleError, LmdbCacheError
+from ..format import codec
+from ..store import _registry
+from ..store._store import Store
 
 __all__ = ["TEST_SIGNAL", "decode_problem", "main"]
 
@@ -68,7 +69,7 @@ class _Report:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lmdbcache._scan", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lmdbcache.tools._scan", description=__doc__.split("\n")[0])
     parser.add_argument("path")
     parser.add_argument("fd", type=int, help="the pipe to report on")
     parser.add_argument("--repair", action="store_true")

@@ -41,9 +41,9 @@ from typing import Any
 
 import lmdb
 
+from ..errors import LmdbCacheWarning
 from ._address import address as _address
 from ._address import view as _view
-from .errors import LmdbCacheWarning
 
 __all__ = ["MapGuard", "layout_known"]
 

@@ -30,11 +30,11 @@ from typing import Any
 
 import lmdb
 
-from . import _pack, codec
+from ..errors import CorruptCacheError, CorruptSampleError, LmdbCacheError
+from ..format import _pack, codec
 from ._guard import PREFETCH_MIN
 from ._handle import Handle
 from ._lmdb_errors import REBUILD, translate
-from .errors import CorruptCacheError, CorruptSampleError, LmdbCacheError
 
 __all__ = ["MISSING", "ReadPath"]
 

@@ -26,13 +26,13 @@ import torch
 import xxhash
 from torch.utils.data import default_collate
 
+from ..errors import StrayStopIterationError, add_note
+from ..store._store import MISSING
 from ._gather import Buffers, Layout, layout_of
-from .errors import StrayStopIterationError, add_note
-from .store import MISSING
 
 if TYPE_CHECKING:
-    from .dataset import CachedDataset
-    from .loader import Loader
+    from ..dataset import CachedDataset
+    from ._loader import Loader
 
 # Held while a transform runs with the global generators seeded: they are process-wide.
 _RNG_LOCK = threading.Lock()

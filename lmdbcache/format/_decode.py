@@ -13,6 +13,8 @@ import msgpack
 import numpy as np
 import xxhash
 
+from .._version import FORMAT_VERSION, OLDEST_READABLE_FORMAT
+from ..errors import CorruptSampleError, InvalidOptionError
 from ._format import (
     BIGINT,
     FLAT,
@@ -53,8 +55,6 @@ from ._records import (
     v1_bigint,
     v1_structured,
 )
-from ._version import FORMAT_VERSION, OLDEST_READABLE_FORMAT
-from .errors import CorruptSampleError, InvalidOptionError
 
 if TYPE_CHECKING:
     import torch

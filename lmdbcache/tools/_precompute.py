@@ -26,23 +26,23 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
-from . import _registry
-from ._commit import Policy
-from ._compress import Compressor
-from ._compress import check as check_compression
-from ._options import check_options, parse_size
-from ._progress import note, progress_bar
-from ._signals import interrupts_held, interrupts_ignored
-from .codec import encode
-from .dataset import dataset_length, default_fingerprint, spot_check
-from .errors import (
+from .._options import check_options, parse_size
+from ..dataset import dataset_length, default_fingerprint, spot_check
+from ..errors import (
     CacheMismatchError,
     InvalidOptionError,
     LmdbCacheError,
     NondeterministicDatasetError,
     SourceItemError,
 )
-from .store import DATA_FILE, Store
+from ..format._compress import Compressor
+from ..format._compress import check as check_compression
+from ..format.codec import encode
+from ..store import _registry
+from ..store._commit import Policy
+from ..store._signals import interrupts_held, interrupts_ignored
+from ..store._store import DATA_FILE, Store
+from ._progress import note, progress_bar
 
 # Commits on time as well as on count, with the dataset's default bound: a SIGKILL loses at
 # most about a second of work (plus what the workers had decoded but not handed over).

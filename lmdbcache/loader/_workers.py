@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from ..errors import InvalidOptionError, add_note
 from ._collate import collate
 from ._pass import ended, one_by_one, stray
-from .errors import InvalidOptionError, add_note
 
 if TYPE_CHECKING:
-    from .dataset import CachedDataset
-    from .loader import Loader
+    from ..dataset import CachedDataset
+    from ._loader import Loader
 
 __all__ = ["WorkerPass"]
 

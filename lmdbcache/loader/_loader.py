@@ -70,13 +70,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DistributedSampler
 
+from ..errors import InvalidOptionError, LmdbCacheWarning
 from ._gather import Layout
 from ._pass import Pass, Ring, current_stream_event, stamp
 from ._workers import WorkerPass
-from .errors import InvalidOptionError, LmdbCacheWarning
 
 if TYPE_CHECKING:
-    from .dataset import CachedDataset
+    from ..dataset import CachedDataset
 
 __all__ = ["Loader"]
 

@@ -10,8 +10,8 @@ import shutil
 
 import lmdb
 
-from ._options import MIB
-from .errors import CacheFullError, CorruptCacheError, LmdbCacheError, ReadersFullError, ReadOnlyCacheError
+from .._options import MIB
+from ..errors import CacheFullError, CorruptCacheError, LmdbCacheError, ReadersFullError, ReadOnlyCacheError
 
 __all__ = ["REBUILD", "readers_full", "translate", "write_failure"]
 

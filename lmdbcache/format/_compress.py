@@ -19,11 +19,11 @@ from typing import Any
 
 import msgpack
 
+from ..errors import InvalidOptionError
 from ._decode import flat_plan
 from ._format import FLAT, FRAMED_MAGIC, HEAD, HEAD_SIZE, NDARRAY, NPSCALAR, PIL, STRUCTURED, TENSOR, U16
 from ._frames import CODECS, FRAME, MAX_RATIO, require
 from ._records import array_spec, image_record, struct_spec, tensor_spec
-from .errors import InvalidOptionError
 
 __all__ = ["CODECS", "LEVELS", "Compressor", "check"]
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
-from ._version import FORMAT_VERSION
+from .._version import FORMAT_VERSION
 
 if TYPE_CHECKING:
     import torch

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import SpecError
+from ..errors import SpecError
 
 __all__ = ["load_spec", "parse_args_kv"]
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import CorruptSampleError
 from ._format import MAX_DTYPE_DEPTH, MAX_DTYPE_SIZE, MAX_NDIM, SPECS_MAX, Unsupported, shape_problem, typename
-from .errors import CorruptSampleError
 
 # The only dtype strings a value may name (see the format). Everything else, "|O" and
 # "T" (StringDType) included, is refused before numpy sees it.
