@@ -33,9 +33,8 @@ from .errors import (
 
 if _typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports them
     from .dataset import CachedDataset, default_fingerprint
-    from .loader._collate import collate
-    from .loader._loader import Loader
-    from .tools._precompute import PrecomputeResult, precompute
+    from .loader import Loader, collate
+    from .tools import PrecomputeResult, precompute
 
 __all__ = [
     "FORMAT_VERSION",
@@ -70,10 +69,10 @@ __all__ = [
 _LAZY = {
     "CachedDataset": ".dataset",
     "Loader": ".loader",
-    "PrecomputeResult": "._precompute",
-    "collate": "._collate",
+    "PrecomputeResult": ".tools",
+    "collate": ".loader",
     "default_fingerprint": ".dataset",
-    "precompute": "._precompute",
+    "precompute": ".tools",
 }
 
 

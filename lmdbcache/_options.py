@@ -9,11 +9,13 @@ import re
 from typing import Any
 
 from .errors import InvalidOptionError
-from .format._pack import MAX_PACK
 
 __all__ = ["MIB", "check_options", "parse_size"]
 
 MIB = 1 << 20
+# The largest pack size K a cache may ask for: K x the largest packed value (16 KiB) stays far
+# below LMDB's 4 GiB value limit. format/_pack.py builds on it; the option is checked here.
+MAX_PACK = 4096
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2, "G": 1000**3, "GB": 1000**3,
                "T": 1000**4, "TB": 1000**4, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}  # fmt: skip

@@ -6,7 +6,7 @@ import operator
 import os
 import random
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -17,16 +17,23 @@ from .errors import CacheMismatchError, CorruptSampleError, InvalidOptionError, 
 from .format._compress import check as check_compression
 from .format._diff import first_difference
 from .format.codec import decode, encode
-from .loader._collate import gather_shared as _batched
-from .loader._collate import wants_batch
 from .store import _registry
 from .store._commit import Policy
 from .store._store import MISSING, Store
 
-if TYPE_CHECKING:
-    from .loader._loader import Loader
+__all__ = ["CachedDataset", "dataset_length", "default_fingerprint", "register_batch_hook"]
 
-__all__ = ["CachedDataset", "dataset_length", "default_fingerprint"]
+# Set by lmdbcache.loader when it is imported (``lmdbcache.collate`` lives there), so that the
+# dataset never imports the loader: (does the DataLoader calling ``__getitems__`` collate with
+# ``lmdbcache.collate``?, the batch of indices copied from the map into shared memory or None).
+_batch_hooks: list[tuple[Callable[[], bool], Callable[[Store, list[int], bool, str | None], Any]]] = []
+
+
+def register_batch_hook(
+    wants_batch: Callable[[], bool], gather_shared: Callable[[Store, list[int], bool, str | None], Any]
+) -> None:
+    """Called once by ``lmdbcache.loader``: how ``__getitems__`` hands a whole batch to ``lmdbcache.collate``."""
+    _batch_hooks[:] = [(wants_batch, gather_shared)]
 
 
 def default_fingerprint(dataset: Any) -> str:
@@ -228,10 +235,12 @@ class CachedDataset(Dataset[Any]):
         """
         indices = self.checked_indices(indices)
         store = self._live_store()
-        if self.transform is None and wants_batch():
-            batch = _batched(store, indices, self._always, self._build)
-            if batch is not None:
-                return batch
+        if self.transform is None and _batch_hooks:
+            wants_batch, gather_shared = _batch_hooks[0]
+            if wants_batch():
+                batch = gather_shared(store, indices, self._always, self._build)
+                if batch is not None:
+                    return batch  # type: ignore[no-any-return]  # a Collated (a list subclass)
         samples = store.get_many(indices, self._always, self._build)
         misses = [k for k, sample in enumerate(samples) if sample is MISSING]
         if misses:
@@ -336,15 +345,16 @@ class CachedDataset(Dataset[Any]):
             ),
         )
 
-    def loader(self, batch_size: int | None = 1, **kwargs: Any) -> Loader:
-        """Batches equal to ``DataLoader(self, batch_size, collate_fn=default_collate)``'s, copied from the map.
+    def loader(self, batch_size: int | None = 1, **kwargs: Any) -> Any:
+        """``lmdbcache.Loader(self, batch_size, **kwargs)``: batches equal to ``DataLoader(self, batch_size,
+        collate_fn=default_collate)``'s, copied from the map.
 
         See ``lmdbcache.Loader`` for the options (shuffle, seed, drop_last, sampler,
         batch_sampler, num_threads, prefetch, rank, world_size, batch_transform, pin_memory,
         record_event, seed_transforms, num_workers, multiprocessing_context), the order, and
         resuming with ``state_dict``.
         """
-        from .loader._loader import Loader
+        from .loader import Loader  # the one edge from the dataset up to the loader: lazy, at call time
 
         return Loader(self, batch_size, **kwargs)
 

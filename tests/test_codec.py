@@ -21,13 +21,13 @@ import torch
 import xxhash
 from helpers import assert_same, golden_samples, tensor_bytes
 from hypothesis import given, settings
-from lmdbcache.codec import TORCH_DTYPES, decode, encode
 from strategies import numpy_arrays, samples, structured_arrays, tensors
 from test_processes import run_script
 
 import lmdbcache
 from lmdbcache import CorruptSampleError, InvalidOptionError, UnsupportedSampleError
 from lmdbcache._version import FORMAT_VERSION
+from lmdbcache.codec import TORCH_DTYPES, decode, encode
 from lmdbcache.format._format import PIL_BITS
 
 ALL_TORCH_DTYPES = [

@@ -13,13 +13,13 @@ import torch
 from helpers import Compressible, assert_same, compressible_for, golden_samples, key, raw_cache
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lmdbcache.codec import decode, encode
 from strategies import samples, tensors
 from test_cli import _flip_in_file, cli
 from test_processes import run_script, wait_for_count
 
 import lmdbcache
 from lmdbcache import CachedDataset, CacheMismatchError, CorruptSampleError, InvalidOptionError, tools
+from lmdbcache.codec import decode, encode
 from lmdbcache.format._compress import Compressor
 from lmdbcache.format._frames import FRAME, take
 

@@ -33,13 +33,14 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
+from .._options import MAX_PACK  # the largest K a cache may ask for (K x SMALL stays far below 4 GiB)
+
 __all__ = ["MAGIC", "MAX_PACK", "SMALL", "build", "first_of", "header_size", "key", "problem", "span", "value"]
 
 MAGIC = b"LMPK"
 # Bytes: a value this large or larger is never packed (see the module docstring). Equal to
 # _guard.PREFETCH_MIN (checked in _read), so a packed value is always read by the small-value path.
 SMALL = 16384
-MAX_PACK = 4096  # the largest K a cache may ask for (K x SMALL stays far below 4 GiB)
 _HEAD = struct.Struct("<4sI")
 _PAIR = struct.Struct("<II")
 _KEY = struct.Struct(">Qc")

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
+from ..dataset import register_batch_hook
 from ..store._store import MISSING
 from ._gather import Buffers, Layout, layout_of
 
@@ -116,3 +117,6 @@ def gather_shared(store: Store, indices: list[int], always: bool, build: str | N
 
     batch = store.read_batch(indices, always, build, copy)
     return None if batch is MISSING or batch is None else Collated(batch)
+
+
+register_batch_hook(wants_batch, gather_shared)

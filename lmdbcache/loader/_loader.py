@@ -72,7 +72,7 @@ from torch.utils.data import DistributedSampler
 
 from ..errors import InvalidOptionError, LmdbCacheWarning
 from ._gather import Layout
-from ._pass import Pass, Ring, current_stream_event, stamp
+from ._pass import Pass, PassSpec, Ring, current_stream_event, stamp
 from ._workers import WorkerPass
 
 if TYPE_CHECKING:
@@ -382,9 +382,16 @@ class Loader:
             return self.num_workers
         return self.num_threads if self.dataset.transform is not None else 0
 
+    def _spec(self) -> PassSpec:
+        """What the next pass needs from this loader (see ``_pass.PassSpec``)."""
+        return PassSpec(
+            self.dataset, self.num_threads, self.prefetch, self.pin_memory, self.batch_transform, self.seed,
+            self.seed_transforms, self._ring, self._layouts, self.worker_processes, self.multiprocessing_context,
+        )  # fmt: skip
+
     def _run(self, epoch: int, batches: list[list[int]], start: int) -> Iterator[Any]:
         kind = WorkerPass if self.worker_processes else Pass
-        run = kind(self, epoch, batches, start)
+        run = kind(self._spec(), epoch, batches, start)
         self._pass = run
         record, slots = self.record_event, []
         try:

@@ -10,13 +10,14 @@ See ``loader`` for the rules the ring and the fallback keep.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import queue
 import random
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -32,7 +33,6 @@ from ._gather import Buffers, Layout, layout_of
 
 if TYPE_CHECKING:
     from ..dataset import CachedDataset
-    from ._loader import Loader
 
 # Held while a transform runs with the global generators seeded: they are process-wide.
 _RNG_LOCK = threading.Lock()
@@ -112,16 +112,37 @@ def _wait(event: Any) -> None:
         threading.Event().wait(0.0005)
 
 
+@dataclasses.dataclass(frozen=True)
+class PassSpec:
+    """What a pass (threads here, or ``_workers.WorkerPass``) needs from its Loader, handed over when it starts.
+
+    The loader owns the ring of batch buffers and the batch form of each signature met; a pass
+    only uses them. Never the Loader itself: a pass does not reach into its owner's state.
+    """
+
+    dataset: CachedDataset
+    num_threads: int
+    prefetch: int
+    pin_memory: bool
+    batch_transform: Callable[[Any], Any] | None
+    seed: int
+    seed_transforms: bool
+    ring: Ring
+    layouts: dict[bytes, Layout]
+    worker_processes: int = 0
+    multiprocessing_context: Any = None
+
+
 class Pass:
     """One pass: the planner thread, the copy pool and the queue of finished batches."""
 
-    def __init__(self, loader: Loader, epoch: int, batches: list[list[int]], start: int) -> None:
-        self.loader, self.epoch, self.batches, self.start = loader, epoch, batches, start
-        self.ds = loader.dataset
-        self.out: queue.Queue[Any] = queue.Queue(maxsize=loader.prefetch)
+    def __init__(self, spec: PassSpec, epoch: int, batches: list[list[int]], start: int) -> None:
+        self.spec, self.epoch, self.batches, self.start = spec, epoch, batches, start
+        self.ds = spec.dataset
+        self.out: queue.Queue[Any] = queue.Queue(maxsize=spec.prefetch)
         self.stopping = threading.Event()
         self.replaced = False  # set by the Loader when a newer pass of it starts (see ``ended``)
-        self.pool = ThreadPoolExecutor(loader.num_threads, thread_name_prefix="lmdbcache-copy")
+        self.pool = ThreadPoolExecutor(spec.num_threads, thread_name_prefix="lmdbcache-copy")
         self.planner = threading.Thread(target=self._plan, name="lmdbcache-planner", daemon=True)
         self.planner.start()
 
@@ -166,9 +187,9 @@ class Pass:
                 batch, slots = self._gather(indices)
                 if batch is None:
                     batch = self._fallback(indices)
-                    if self.loader.pin_memory:
+                    if self.spec.pin_memory:
                         batch = pin_batch(batch)  # per batch: fallback only
-                transform = self.loader.batch_transform
+                transform = self.spec.batch_transform
                 if transform is not None:
                     try:
                         batch = transform(batch)
@@ -188,16 +209,16 @@ class Pass:
         if ds.transform is not None:
             return None, []
         indices = ds.checked_indices(indices)  # a sampler may give numpy or negative indices, or bad ones
-        loader = self.loader
+        spec = self.spec
         taken: list[Buffers] = []
 
         def copy(views: list[Any], checks: list[bool]) -> Any:
-            layout = layout_of(views[0], indices[0], loader._layouts)
+            layout = layout_of(views[0], indices[0], spec.layouts)
             if layout is None:
                 return None
-            buffers = loader._ring.acquire(layout, len(views))
+            buffers = spec.ring.acquire(layout, len(views))
             taken.append(buffers)
-            n, parts = len(views), min(loader.num_threads, len(views))
+            n, parts = len(views), min(spec.num_threads, len(views))
             if layout.sample_bytes * n < INLINE:
                 return buffers.batch(n) if buffers.fill(views, checks, indices, 0, n) else None
             bounds = [n * p // parts for p in range(parts + 1)]
@@ -218,12 +239,12 @@ class Pass:
 
     def _fallback(self, indices: list[int]) -> Any:
         """Through ``CachedDataset.__getitems__`` (or per index with a transform) on the copy threads."""
-        ds, parts = self.ds, min(self.loader.num_threads, len(indices))
+        ds, parts = self.ds, min(self.spec.num_threads, len(indices))
         bounds = [len(indices) * p // parts for p in range(parts + 1)]
         if ds.transform is None:
             futures = [self.pool.submit(together, ds, indices[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
         else:
-            seeds = (self.loader.seed, self.epoch) if self.loader.seed_transforms else None
+            seeds = (self.spec.seed, self.epoch) if self.spec.seed_transforms else None
             futures = [self.pool.submit(one_by_one, ds, indices[lo:hi], seeds) for lo, hi in itertools.pairwise(bounds)]
         samples: list[Any] = []
         for f in futures:

@@ -24,11 +24,10 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from ..errors import InvalidOptionError, add_note
 from ._collate import collate
-from ._pass import ended, one_by_one, stray
+from ._pass import PassSpec, ended, one_by_one, stray
 
 if TYPE_CHECKING:
     from ..dataset import CachedDataset
-    from ._loader import Loader
 
 __all__ = ["WorkerPass"]
 
@@ -54,22 +53,22 @@ class WorkerPass:
     """One pass on its own worker processes, with ``_pass.Pass``'s interface: ``get()`` a (batch, slots) or an
     exception, ``stop()`` ends the workers (whatever ended the pass: its end, break, an error, ``close()``)."""
 
-    def __init__(self, loader: Loader, epoch: int, batches: list[list[int]], start: int) -> None:
-        ds, count = loader.dataset, loader.worker_processes
-        self.loader, self.epoch, self.next = loader, epoch, start
+    def __init__(self, spec: PassSpec, epoch: int, batches: list[list[int]], start: int) -> None:
+        ds, count = spec.dataset, spec.worker_processes
+        self.spec, self.epoch, self.next = spec, epoch, start
         self.replaced = False  # set by the Loader when a newer pass of it starts (see ``_pass.ended``)
         transformed = ds.transform is not None
         items: list[list[Any]] = batches[start:]
         if transformed:
-            items = [[(loader.seed, epoch, i) for i in batch] for batch in items]
+            items = [[(spec.seed, epoch, i) for i in batch] for batch in items]
         dataloader: DataLoader[Any] = DataLoader(
-            _Seeded(ds, loader.seed_transforms) if transformed else ds,
+            _Seeded(ds, spec.seed_transforms) if transformed else ds,
             batch_sampler=items,
             num_workers=count,
             collate_fn=default_collate if transformed else collate,
-            pin_memory=loader.pin_memory,
-            prefetch_factor=max(2, -(-loader.prefetch // count)),
-            multiprocessing_context=loader.multiprocessing_context,
+            pin_memory=spec.pin_memory,
+            prefetch_factor=max(2, -(-spec.prefetch // count)),
+            multiprocessing_context=spec.multiprocessing_context,
         )
         try:
             with warnings.catch_warnings():  # torch's own hint names neither lmdbcache nor num_workers=0
@@ -101,7 +100,7 @@ class WorkerPass:
                 return ended(self.replaced)
             add_note(exc, f"lmdbcache.Loader: raised loading batch {k} of epoch {self.epoch} (on a worker process)")
             return exc
-        transform = self.loader.batch_transform
+        transform = self.spec.batch_transform
         if transform is not None:
             try:
                 batch = transform(batch)

@@ -97,6 +97,25 @@ class Handle:
         self._pack = 0
         self._length = 0
 
+    # The registry's questions and answers (``_registry``): who owns this handle, how many hold it.
+
+    def claim(self) -> None:
+        """This process's registry hands this handle out: usable here."""
+        self.owned = True
+
+    def disown(self) -> None:
+        """In a child forked since: the parent's handle, never used here (datasets acquire their own)."""
+        self.owned = False
+
+    def hold(self) -> None:
+        """One more holder (a dataset, a tool)."""
+        self.refs += 1
+
+    def let_go(self) -> int:
+        """One holder fewer; how many are left (at 0 the registry retires the handle)."""
+        self.refs -= 1
+        return self.refs
+
     def _open_env(self, *, readonly: bool) -> lmdb.Environment:
         """Open this process's environment and the two databases. Caller holds self._lock."""
         path = self.path

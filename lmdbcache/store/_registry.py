@@ -60,12 +60,12 @@ def acquire(path: str, **options: Any) -> Store:
         store = _stores.get(key)
         if store is None:
             store = _stores[key] = Store(os.path.abspath(path), **options)
-            store.owned = True
+            store.claim()
             _register_exit_flush()
             created = True
         else:
             created = False
-        store.refs += 1
+        store.hold()
     if not created:
         try:
             store.reconcile(
@@ -130,8 +130,7 @@ def release(store: Store) -> None:
     with _registry_lock:
         if not store.owned:
             return  # inherited across fork: the parent owns it
-        store.refs -= 1
-        if store.refs > 0:
+        if store.let_go() > 0:
             return
         for key, value in list(_stores.items()):
             if value is store:
@@ -162,7 +161,7 @@ def _after_fork_child() -> None:
     # which see the pid change and re-acquire; unlock them so nothing can hang on them.
     _inherited = bool(_stores)  # see freeze_inherited
     for store in _stores.values():
-        store.owned = False
+        store.disown()
         store.after_fork(in_child=True)
     _stores.clear()
     _registry_lock.release()

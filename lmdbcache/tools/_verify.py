@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from ..errors import LmdbCacheError, LmdbCacheWarning
+from . import _scan
 
 __all__ = ["Progress", "VerifyResult", "verify"]
 
@@ -57,9 +58,8 @@ class VerifyResult:
 
 # Signals the file's damage itself can cause (bad page numbers and lengths); others came from outside.
 _FAULTS = {"SIGSEGV", "SIGBUS", "SIGABRT", "SIGFPE", "SIGILL"}
-_CHILD = (
-    "import sys; sys.path.insert(0, sys.argv[1]); from lmdbcache.tools._scan import main; sys.exit(main(sys.argv[2:]))"
-)
+# The child imports the scanner by the name of the module imported here: an import check sees the edge.
+_CHILD = f"import sys; sys.path.insert(0, sys.argv[1]); from {_scan.__name__} import main; sys.exit(main(sys.argv[2:]))"
 
 
 def verify(

@@ -1,0 +1,19 @@
+"""One cache directory in one process: ``Store``, the only door to LMDB.
+
+``_store`` (Store: create, check, rebuild, close, fork) composes the read path (``_read``),
+the write path (``_write``, with its commit queue ``_commit``) and the per-process state they
+share (``_handle``); ``_env`` opens and sizes the LMDB environment, ``_metadata`` is the
+metadata record, ``_fs`` the directory and its files (and the unsynced marker), ``_guard``
+the bounds check of a record against the mapped file (``_address``: a buffer's address),
+``_lmdb_errors`` the one translation of LMDB's errors, ``_registry`` one Store per
+directory per process (forks, exit), ``_signals`` Ctrl-C around work that must not be cut.
+
+May import: ``format`` and the base modules (``errors``, ``_version``, ``_options``).
+Never ``dataset``, ``loader`` or ``tools``.
+"""
+
+from __future__ import annotations
+
+from ._store import DATA_FILE, LOCK_FILE, MISSING, WRITE_LOCK, Store
+
+__all__ = ["DATA_FILE", "LOCK_FILE", "MISSING", "WRITE_LOCK", "Store"]
