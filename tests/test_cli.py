@@ -305,7 +305,7 @@ def test_an_untranslated_lmdb_error_is_one_line(cache_dir, capsys, monkeypatch):
     def broken(path):
         raise lmdb.CorruptedError("mdb_get: MDB_CORRUPTED: Located page was wrong type")
 
-    monkeypatch.setattr(tools, "info", broken)
+    monkeypatch.setattr(tools._ops, "info", broken)  # where the command looks it up
     line = one_line_error(run_main(capsys, "info", str(cache_dir)))
     assert run_main(capsys, "info", str(cache_dir)).returncode == 1
     assert "MDB_CORRUPTED" in line and "bug" in line

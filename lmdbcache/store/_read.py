@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import struct
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import lmdb
@@ -66,7 +66,6 @@ class ReadPath(Handle):
 
     _cold_left = 0  # large reads still to prefetch (reads were seen cold); 0: plain reads, timed
     _slow = 0  # large reads in a row slower than _COLD
-    _sound_pack: tuple[int, int, bytes] | None = None  # the last pack a scan found sound: (first, size, header)
 
     def get(self, index: int, always: bool = False, build: str | None = None) -> Any:
         """The decoded sample at ``index`` of the build ``build``, or ``MISSING``. The hot path: kept flat.
@@ -366,31 +365,6 @@ class ReadPath(Handle):
                     return self._queue.lookup(index)
                 return bytes(raw)
 
-    def cached_near(self, starts: Iterable[int]) -> list[int]:
-        """For each start, the first cached index at or after it (wrapping around), without duplicates."""
-        found: list[int] = []
-        with self._lock:
-            self._env or self._env_or_open()  # the build, and so its packing, is known once open
-        if self._pack:  # a pack's key is not its indices' keys: let the scan merge them
-            for start in starts:
-                index = next(self._scan(start, 1, values=False), None) or next(self._scan(0, 1, values=False), None)
-                if index is not None and index[0] not in found:
-                    found.append(index[0])
-            return found
-        with self._lock:
-            self._drop_reader()
-            with self._begin_checked(self._env or self._env_or_open(), db=self._samples) as txn:
-                try:
-                    cursor = txn.cursor()
-                    for start in starts:
-                        if cursor.set_range(_KEY(start)) or cursor.first():
-                            key = cursor.key()
-                            if len(key) == 8 and _UNKEY(key)[0] not in found:
-                                found.append(_UNKEY(key)[0])
-                except lmdb.Error as exc:
-                    raise translate(exc, self.path, "reading") from exc
-        return found
-
     def _decode(self, raw: Any, index: int, always: bool = False) -> Any:
         verified = self._verified
         try:
@@ -414,97 +388,3 @@ class ReadPath(Handle):
     def _read_failure(self, exc: lmdb.Error, index: int) -> LmdbCacheError:
         self._drop_reader()  # a transaction that failed is not reused
         return translate(exc, self.path, f"reading index {index} of")
-
-    def iter_raw(self, start: int = 0, chunk: int = 256) -> Iterator[tuple[int, bytes]]:
-        """Yield (index, stored value) in key order, ``chunk`` records per read transaction."""
-        return self._scan(start, chunk, values=True)
-
-    def iter_keys(self, start: int = 0, chunk: int = 65536) -> Iterator[int]:
-        """Yield every cached index in order (keys only: no value is read)."""
-        return (index for index, _ in self._scan(start, chunk, values=False))
-
-    def _scan(self, start: int, chunk: int, values: bool) -> Iterator[tuple[int, Any]]:
-        # Short read transactions: a long scan never pins a snapshot that writers must move past.
-        # With packs, each batch starts at the chunk holding ``start``: its pack key sorts after the
-        # key of the chunk's first index, before ``start``'s own.
-        while True:
-            batch: list[tuple[int, Any]] = []
-            with self._lock, self._begin_checked(self._env or self._env_or_open()) as txn:
-                pack = self._pack  # the adopted build's (known once the environment is open)
-                key = _KEY(start - start % pack if pack else start)
-                try:
-                    cursor = txn.cursor(db=self._samples)
-                    covered, single = -1, -1  # the end of the last pack seen, the last single index seen
-                    for k in cursor.iternext(values=False) if cursor.set_range(key) else ():
-                        if len(k) == 8:
-                            index = single = _UNKEY(k)[0]
-                            if index < covered:
-                                raise CorruptCacheError(self._twice(index, covered))
-                            if index >= start:
-                                batch.append((index, bytes(self._view(cursor, k, index)) if values else None))
-                        else:
-                            first, n = self._pack_key(k)
-                            if single >= first:
-                                raise CorruptCacheError(self._twice(single, first + n))
-                            covered = first + n
-                            if covered > start:
-                                whole = self._view(cursor, k, first) if values else b""
-                                problem = self._pack_problem(whole, first, n) if values else None
-                                if problem is not None:
-                                    raise CorruptCacheError(
-                                        f"Cache '{self.path}' is damaged: the pack of indices {first} to "
-                                        f"{covered - 1} is broken ({problem}). Run `lmdbcache verify --repair "
-                                        f"{self.path}` to drop it (its samples are decoded again on their next read)."
-                                    )
-                                for index in range(max(first, start), covered):
-                                    if len(batch) == chunk:
-                                        break
-                                    if values:
-                                        batch.append((index, bytes(_pack.value(whole, index - first, n))))
-                                    else:
-                                        batch.append((index, None))
-                        if len(batch) == chunk:
-                            break
-                except lmdb.Error as exc:
-                    raise translate(exc, self.path, f"scanning (near index {start})") from exc
-            yield from batch
-            if len(batch) < chunk or batch[-1][0] == 2**64 - 1:
-                return
-            start = batch[-1][0] + 1
-
-    def _pack_problem(self, whole: Any, first: int, n: int) -> str | None:
-        """``_pack.problem`` of a pack, remembered for the last sound one: verify reads a chunk index by index, and
-        checking all K spans for each of its K indices made verify cost N x K (found by the attack)."""
-        seen = (first, len(whole), bytes(whole[: _pack.header_size(n)]))  # all that problem() looks at
-        if seen == self._sound_pack:
-            return None
-        problem = _pack.problem(whole, n)
-        if problem is None:
-            self._sound_pack = seen
-        return problem
-
-    def _view(self, cursor: lmdb.Cursor, key: Any, index: int) -> Any:
-        """The value at ``cursor`` (whose key is ``key``), its record checked before it is touched (see _guard)."""
-        problem = self._guard.problem(key) if self._guard is not None else None
-        if problem is not None:
-            raise CorruptCacheError(
-                f"Cache '{self.path}' is damaged: the record of index {index} is broken ({problem}). {REBUILD}"
-            )
-        return cursor.value()
-
-    def _pack_key(self, k: Any) -> tuple[int, int]:
-        """(first index, count) of the pack whose key is ``k``; CorruptCacheError for a key that is not ours."""
-        first = _pack.first_of(k)
-        pack = self._pack
-        if first is None or not pack or first % pack or first >= self._length:
-            raise CorruptCacheError(
-                f"Cache '{self.path}' is damaged: it holds a key of {len(k)} bytes ({bytes(k)[:16]!r}), not an "
-                f"8-byte index{' or the key of a pack' if pack else ''}. {REBUILD}"
-            )
-        return first, min(pack, self._length - first)
-
-    def _twice(self, index: int, end: int) -> str:
-        return (
-            f"Cache '{self.path}' is damaged: index {index} is stored both alone and in the pack of indices up to "
-            f"{end - 1}. {REBUILD}"
-        )

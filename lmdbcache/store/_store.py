@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -65,12 +65,11 @@ from ._env import MAX_MAP
 from ._fs import DATA_FILE, LOCK_FILE, WRITE_LOCK
 from ._lmdb_errors import REBUILD, translate, write_failure
 from ._read import MISSING, ReadPath
+from ._scanner import Scanner
 from ._signals import interrupts_held
 from ._write import WritePath, sync_and_clear
 
 __all__ = ["DATA_FILE", "LOCK_FILE", "MISSING", "WRITE_LOCK", "Store"]
-
-_FIRST_KEY = bytes(8)  # index 0's key: every key of a sound cache sorts at or after it
 
 
 class Store(ReadPath, WritePath):
@@ -100,6 +99,7 @@ class Store(ReadPath, WritePath):
             on_idle=self._idle,
         )
         self._close_when_idle = False  # close() was interrupted while a batch was being written
+        self._scanner = Scanner(self)  # index-order scans: composed, its state its own
 
     def reconcile(self, map_size: int, max_readers: int, sync: bool = False) -> None:
         """Another object asks for this open store with its own per-environment options.
@@ -123,6 +123,18 @@ class Store(ReadPath, WritePath):
             # Applied by the next commit's _reserve, under the write lock: set_mapsize while this
             # process's committer thread has a write transaction open would fail.
             self.map_size = map_size
+
+    def iter_raw(self, start: int = 0, chunk: int = 256) -> Iterator[tuple[int, bytes]]:
+        """Yield (index, stored value) in key order, ``chunk`` records per read transaction (``Scanner``)."""
+        return self._scanner.iter_raw(start, chunk)
+
+    def iter_keys(self, start: int = 0, chunk: int = 65536) -> Iterator[int]:
+        """Yield every cached index in order (keys only: no value is read)."""
+        return self._scanner.iter_keys(start, chunk)
+
+    def cached_near(self, starts: Iterable[int]) -> list[int]:
+        """For each start, the first cached index at or after it (wrapping around), without duplicates."""
+        return self._scanner.cached_near(starts)
 
     def __repr__(self) -> str:
         state = "open" if self._env is not None else "closed"
@@ -333,7 +345,7 @@ class Store(ReadPath, WritePath):
         with self._lock, self._begin_checked(self._env or self._env_or_open()) as txn:
             try:
                 # A pack is one record holding many samples: its count comes from its key and the length.
-                count = self._count_packed(txn) if self._pack else int(txn.stat(self._samples)["entries"])
+                count = self._scanner.count_packed(txn) if self._pack else int(txn.stat(self._samples)["entries"])
             except lmdb.Error as exc:
                 raise translate(exc, self.path, "counting the samples of") from exc
         assert self._meta is not None
@@ -344,28 +356,9 @@ class Store(ReadPath, WritePath):
             )
         return count
 
-    def _count_packed(self, txn: lmdb.Transaction) -> int:
-        """A walk over the keys only. Keys that sort before index 0 are left to ``keys_before_start`` (verify
-        reports them); any other key that is neither an index nor a pack's is ``CorruptCacheError``."""
-        cursor, total = txn.cursor(db=self._samples), 0
-        if cursor.set_range(_FIRST_KEY):
-            for key in cursor.iternext(values=False):
-                total += 1 if len(key) == 8 else self._pack_key(key)[1]
-        return total
-
     def keys_before_start(self, limit: int = 1000) -> int:
         """How many keys sort before index 0's (at most ``limit``): none in a sound cache; out of a scan's reach."""
-        with self._lock, self._begin_checked(self._env or self._env_or_open()) as txn:
-            try:
-                cursor, found = txn.cursor(db=self._samples), 0
-                if cursor.first():
-                    for key in cursor.iternext(values=False):
-                        if bytes(key) >= _FIRST_KEY or found >= limit:
-                            break
-                        found += 1
-            except lmdb.Error as exc:
-                raise translate(exc, self.path, "scanning the keys of") from exc
-        return found
+        return self._scanner.keys_before_start(limit)
 
     def meta(self) -> dict[str, Any]:
         """A copy of the metadata record of the build this process adopted."""

@@ -1,8 +1,8 @@
 """Whole caches and the command line: precompute, verify, copy, merge, warm, info.
 
 ``_precompute`` builds a cache in parallel; ``_scan`` and ``_verify`` read a whole cache
-(in a child process, so a file that crashes LMDB is reported); ``_ops`` holds copy, merge,
-warm and info; ``_spec`` loads a dataset from a ``module:callable`` spec; ``_progress`` the
+(in a child process, so a file that crashes LMDB is reported); ``_ops`` holds copy, warm and
+info, ``_merge`` merge; ``_spec`` loads a dataset from a ``module:callable`` spec; ``_progress`` the
 bar; ``cli`` the ``lmdbcache`` command.
 
 May import every other part (``loader`` excepted: no tool needs batches), ``dataset``,
@@ -12,7 +12,8 @@ May import every other part (``loader`` excepted: no tool needs batches), ``data
 
 from __future__ import annotations
 
-from ._ops import CacheInfo, CopyResult, MergeResult, VerifyResult, copy, copy_cache, info, merge, verify, warm
+from ._merge import MergeResult, merge
+from ._ops import CacheInfo, CopyResult, VerifyResult, copy, copy_cache, info, verify, warm
 from ._precompute import PrecomputeResult, precompute
 
 __all__ = [
