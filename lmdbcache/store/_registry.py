@@ -19,8 +19,11 @@ calls ``_exit`` at once, which threw away every sample the worker had queued (is
 multiprocessing child that opens a cache handles SIGTERM itself: the handler raises
 ``SystemExit`` in the main thread, which unwinds whatever it was doing (releasing the locks it
 held), and the process then ends through multiprocessing's finalizers, which commit and sync the
-queue. The parent is waiting for it in ``join``; the exit code is 0, as torch's handler gives.
-A handler the user installed from Python is left alone.
+queue, and then ``_exit`` at once as torch's handler would (the remaining finalizers could wait
+forever on a result queue the parent no longer reads). The parent is waiting for it in ``join``;
+the exit code is 0, as torch's handler gives, and a watchdog ends the process after 60 s if the
+code it interrupted swallowed the ``SystemExit``. A handler the user installed from Python is
+left alone.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ import atexit
 import gc
 import os
 import signal
+import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -205,6 +210,13 @@ def _flush_all_at_exit() -> None:
                 warnings.warn(
                     f"lmdbcache: could not commit queued samples at exit: {exc}", LmdbCacheWarning, stacklevel=1
                 )
+    if _terminating:
+        # Ended by SIGTERM: the queue is committed and synced; now end as torch's handler would have
+        # (``_exit``), before the other finalizers: joining a result queue's feeder thread whose pipe the
+        # parent no longer reads would wait forever, and the parent waits for this process.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _register_exit_flush() -> None:
@@ -223,8 +235,24 @@ def _register_exit_flush() -> None:
         _commit_on_sigterm()
 
 
+_terminating = False  # SIGTERM arrived: the exit flush ends the process (_flush_all_at_exit)
+_SIGTERM_GRACE = 60.0  # seconds a SIGTERMed child has to commit before it ends regardless
+
+
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(0)  # Process._bootstrap runs the finalizers, then exits (see module docstring)
+    global _terminating
+    if _terminating:
+        return  # a second SIGTERM: the first one's exit is under way
+    _terminating = True
+    # Whatever the code running now does with the SystemExit (a bare ``except BaseException`` in a
+    # dataset could swallow it), the process ends: the parent is waiting for it in ``join``.
+    threading.Thread(target=_exit_after, args=(_SIGTERM_GRACE,), name="lmdbcache-sigterm", daemon=True).start()
+    raise SystemExit(0)  # Process._bootstrap runs the finalizers (our flush first), then exits
+
+
+def _exit_after(seconds: float) -> None:
+    time.sleep(seconds)
+    os._exit(0)
 
 
 def _commit_on_sigterm() -> None:
