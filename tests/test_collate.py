@@ -37,7 +37,7 @@ def count_built(monkeypatch):
 
     import lmdbcache.dataset as dataset_module
 
-    monkeypatch.setattr(dataset_module, "_batched", counting)
+    monkeypatch.setattr(dataset_module, "_batch_hooks", [(collate_module.wants_batch, counting)])
     return built
 
 
@@ -125,7 +125,7 @@ def test_workers_build_the_batches(cache_dir, tmp_path, monkeypatch):
             f.write(f"{os.getpid()} {batch is not None}\n")
         return batch
 
-    monkeypatch.setattr(dataset_module, "_batched", logging)
+    monkeypatch.setattr(dataset_module, "_batch_hooks", [(collate_module.wants_batch, logging)])
     same(batches(ds, collate, workers=2, context="fork"), batches(ds, default_collate, workers=0))
     lines = log.read_text().split("\n")[:-1]
     assert len(lines) == 3 and all(line.endswith("True") for line in lines)
