@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install ci test stress demo lint bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py lmdbcache/_native/_core.c Makefile
 	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
 		echo "Using the torch that $(PYTHON) already imports."; \
 		$(PYTHON) -m venv --system-site-packages $(VENV); \
