@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
+import struct
 import subprocess
 import sys
+from typing import Any
 
+import lmdb
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -14,6 +18,7 @@ from hypothesis import strategies as st
 from xxhash import xxh3_64_intdigest
 
 from lmdbcache import _native
+from lmdbcache._guard import MapGuard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 core = _native.core
@@ -116,3 +121,179 @@ def test_xxh3_arguments() -> None:
         core.xxh3_64()
     with pytest.raises(TypeError):
         core.xxh3_64(b"", 0, 1)
+
+
+# ----------------------------------------------------------------------------------------
+# The snapshot reader (open_tree, locate) against py-lmdb on real environments
+
+_KEY = struct.Struct(">Q").pack
+
+
+def _value_for(i: int, rng: random.Random) -> bytes:
+    """Mostly inline values of a few to 2000 bytes; one in 16 on overflow pages (up to 40 KB)."""
+    size = rng.randrange(20_000, 40_000) if i % 16 == 0 else rng.randrange(0, 2000)
+    return rng.randbytes(size)
+
+
+def _located(env: lmdb.Environment, path: str, name: bytes = b"samples") -> dict[bytes, bytes | None]:
+    """Every key of ``name`` as the native reader finds it in a fresh read transaction, checked as it goes."""
+    guard = MapGuard(os.path.join(path, "data.mdb"), env.stat()["psize"])
+    base, length = guard.mapping()
+    assert base and length
+    psize = env.stat()["psize"]
+    db = env.open_db(name)
+    out: dict[bytes, bytes | None] = {}
+    with env.begin(buffers=True) as txn:
+        code, root, depth = core.open_tree(base, length, psize, txn.id(), name)
+        assert code == 0, _native.reason(code)
+        assert depth == txn.stat(db)["depth"]
+        for key, value in txn.cursor(db=db):
+            code, offset, size = core.locate(base, length, psize, root, depth, bytes(key))
+            assert code == 0, (bytes(key), _native.reason(code))
+            assert offset + size <= length
+            got = ctypes.string_at(base + offset, size)
+            assert got == bytes(value)
+            out[bytes(key)] = got
+        for missing in (_KEY(10**9), b"\xff" * 9, _KEY(3) + b"P"):
+            if txn.get(missing, db=db) is None:
+                assert core.locate(base, length, psize, root, depth, missing)[0] == _native.NOTFOUND
+        assert core.locate(base, length, psize, root, depth, b"")[0] == _native.NOTFOUND
+    return out
+
+
+@pytest.fixture
+def env_path(tmp_path: Any) -> str:
+    return str(tmp_path / "env")
+
+
+@needs_core
+def test_locate_equals_lmdb_many_keys(env_path: str) -> None:
+    """Every key of a three-level tree with inline and overflow values is found with py-lmdb's bytes."""
+    rng = random.Random(5)
+    env = lmdb.open(env_path, max_dbs=4, map_size=1 << 28, readahead=False)
+    try:
+        db = env.open_db(b"samples")
+        env.open_db(b"meta")
+        with env.begin(write=True) as txn:
+            for i in rng.sample(range(200_000), 40_000):
+                txn.put(_KEY(i), _value_for(i, rng) if i % 3 else b"x" * (i % 40), db=db)
+        with env.begin() as txn:
+            assert txn.stat(db)["depth"] >= 3
+        found = _located(env, env_path)
+        assert len(found) == 40_000
+    finally:
+        env.close()
+
+
+@needs_core
+def test_locate_after_deletes_and_growth(env_path: str) -> None:
+    """After deletes, several commits and map growth (the map moves) every key is still found with py-lmdb's bytes."""
+    rng = random.Random(6)
+    env = lmdb.open(env_path, max_dbs=4, map_size=1 << 20, readahead=False)
+    try:
+        db = env.open_db(b"samples")
+        for round_ in range(6):
+            while True:
+                try:
+                    with env.begin(write=True) as txn:
+                        for i in range(round_ * 3000, (round_ + 1) * 3000):
+                            txn.put(_KEY(i), _value_for(i, rng), db=db)
+                        for i in rng.sample(range((round_ + 1) * 3000), 500):
+                            txn.delete(_KEY(i), db=db)
+                    break
+                except lmdb.MapFullError:
+                    env.set_mapsize(env.info()["map_size"] * 2)
+            with env.begin(buffers=True) as txn:
+                expected = {bytes(k): bytes(v) for k, v in txn.cursor(db=db)}
+            assert _located(env, env_path) == expected
+        assert env.info()["map_size"] > 1 << 20
+    finally:
+        env.close()
+
+
+@needs_core
+def test_open_tree_needs_the_snapshots_meta(env_path: str) -> None:
+    """A transaction whose meta page was reused (two commits since) gets RETRY; an unknown database NOTFOUND."""
+    env = lmdb.open(env_path, max_dbs=4, map_size=1 << 22)
+    try:
+        db = env.open_db(b"samples")
+        guard = MapGuard(os.path.join(env_path, "data.mdb"), 4096)
+        with env.begin(buffers=True) as old:
+            for i in range(2):
+                with env.begin(write=True) as txn:
+                    txn.put(_KEY(i), b"v", db=db)
+            guard.refresh()  # the file grew: pages past the old length are not read
+            base, length = guard.mapping()
+            assert core.open_tree(base, length, 4096, old.id(), b"samples")[0] == _native.RETRY
+        with env.begin(buffers=True) as txn:
+            assert core.open_tree(base, length, 4096, txn.id(), b"samples")[0] == 0
+            assert core.open_tree(base, length, 4096, txn.id(), b"nothere")[0] == _native.NOTFOUND
+            with pytest.raises(ValueError):
+                core.open_tree(0, length, 4096, txn.id(), b"samples")
+            with pytest.raises(ValueError):
+                core.open_tree(base, length, 1000, txn.id(), b"samples")
+    finally:
+        env.close()
+
+
+_DAMAGE_CHILD = r"""
+import ctypes, os, random, shutil, struct, sys
+import lmdb
+from lmdbcache import _native
+from lmdbcache._guard import MapGuard
+from lmdbcache._guard import MapGuard
+core = _native.core
+src, work, first, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+data = open(os.path.join(src, "data.mdb"), "rb").read()
+keys = [struct.pack(">Q", i) for i in range(3000)]
+seen = {}
+for seed in range(first, first + count):
+    rng = random.Random(seed)
+    bad = bytearray(data)
+    for _ in range(rng.choice((1, 4, 32))):
+        at = rng.randrange(2 * 4096, len(bad))  # meta pages intact: py-lmdb opens the copy
+        if rng.random() < 0.5:
+            bad[at] ^= 1 << rng.randrange(8)
+        else:
+            bad[at : at + 2] = rng.randbytes(2)
+    os.makedirs(work, exist_ok=True)
+    open(os.path.join(work, "data.mdb"), "wb").write(bad)
+    print(seed, flush=True)
+    env = lmdb.open(work, max_dbs=4, readonly=True, lock=False)
+    base, length = MapGuard(os.path.join(work, "data.mdb"), 4096).mapping()
+    with env.begin(buffers=True) as txn:
+        code, root, depth = core.open_tree(base, length, 4096, txn.id(), b"samples")
+        seen[code] = seen.get(code, 0) + 1
+        if code == 0:
+            for key in keys:
+                code, offset, size = core.locate(base, length, 4096, root, depth, key)
+                seen[code] = seen.get(code, 0) + 1
+                if code == 0:
+                    assert offset + size <= length
+                    ctypes.string_at(base + offset, size)  # touch every byte: inside the file
+    env.close()
+    shutil.rmtree(work)
+print("codes", sorted(seen.items()))
+"""
+
+
+@needs_core
+def test_damaged_files_never_crash_the_reader(env_path: str, tmp_path: Any) -> None:
+    """Random damage to tree pages gives error codes or in-file spans, never a crash (a child process per run)."""
+    rng = random.Random(7)
+    env = lmdb.open(env_path, max_dbs=4, map_size=1 << 26)
+    db = env.open_db(b"samples")
+    with env.begin(write=True) as txn:
+        for i in range(3000):
+            txn.put(_KEY(i), _value_for(i, rng), db=db)
+    env.close()
+    out = subprocess.run(
+        [sys.executable, "-c", _DAMAGE_CHILD, env_path, str(tmp_path / "bad"), "0", "150"],
+        env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert out.returncode == 0, f"died after seed {out.stdout.split()[-1:]}: {out.stderr[-2000:]}"
+    codes = dict(eval(out.stdout.splitlines()[-1][len("codes ") :]))
+    assert codes.get(0) and any(code >= 16 for code in codes), codes

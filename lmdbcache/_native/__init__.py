@@ -9,6 +9,19 @@ path (the reference: every native result is tested against it) is one switch awa
 - a module that cannot be imported (no compiler at install time, a build for another
   Python) gives one ``LmdbCacheWarning`` naming the rebuild command, then the same path.
 
+The core reads LMDB's file itself (``open_tree``, ``locate``): the snapshot of a py-lmdb read
+transaction is found from the meta page whose txnid is the transaction's (``txn.id()``), then
+its tree is walked with every page, node, key and value checked against the mapped length
+(from ``MapGuard.mapping``: the address comes from /proc/self/maps when the map moves, never
+per read; py-lmdb's ``env.info()["map_addr"]`` is 0 unless the map is fixed). What breaks it:
+another LMDB data format (0.9's has not changed since 2011; ``open_tree`` checks the magic and
+version), a big-endian machine (the Python side keeps the native path off there, as the guard
+does). One window it cannot see: a writer two commits on rewrites the meta page in place, and
+a copy of the root made while those 48 bytes are half written, with the txnid not yet changed,
+would read a newer snapshot; its pages are all still held by this reader (LMDB frees only
+pages no reader can see), so every read stays inside sound pages. The Python side reads the
+meta right after it begins a transaction, so this needs two commits within that instant.
+
 May import: ``lmdbcache.errors`` only.
 """
 
@@ -44,3 +57,24 @@ def _load() -> ModuleType | None:
 
 core: ModuleType | None = _load()
 NATIVE: bool = core is not None
+
+
+# Why a native lookup failed, by its code (lmdbcache/_native/_core.c, LK_*): worded as the guard words a broken
+# record (``_guard``), to follow "the record of index N is broken (...)".
+REASONS: dict[int, str] = {
+    16: "no sound meta page holds its snapshot",
+    17: "a page number on its path lies past the end of the data file",
+    18: "a page header on its path does not hold together",
+    19: "a node offset on its path lies outside its page",
+    20: "a key on its path runs past its page",
+    21: "its value runs past its page, or is not a plain value",
+    22: "its overflow pages would run past the end of the data file",
+    23: "the tree above it is deeper than its database says, or malformed",
+    24: "the samples database's own record is broken",
+}
+OK, NOTFOUND, RETRY = 0, 1, 2
+
+
+def reason(code: int) -> str:
+    """The words for a native lookup's error ``code``."""
+    return REASONS.get(code, f"native lookup error {code}")

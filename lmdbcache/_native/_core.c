@@ -264,6 +264,282 @@ static PyObject *py_xxh3_64(PyObject *self, PyObject *const *args, Py_ssize_t na
 }
 
 /* ------------------------------------------------------------------------------------------
+ * Reading one LMDB snapshot straight from the map, every byte range checked first.
+ *
+ * The layout is LMDB 0.9's (mdb.c; data format version 1, unchanged since 2011), little-endian
+ * 64-bit builds; all of it read from the file, so all of it untrusted:
+ *
+ *   page header (16 bytes)  u64 pgno; u16 pad; u16 flags; u16 lower, u16 upper (free space bounds),
+ *                           or u32 pages (overflow pages); then u16 node offsets, (lower - 16) / 2 of them
+ *   node (8 bytes + key)    u16 lo, u16 hi, u16 flags, u16 ksize; key; then the data (leaf) -- a branch
+ *                           node's child page number is lo | hi << 16 | flags << 32, a leaf's data size
+ *                           lo | hi << 16; F_BIGDATA: the data is a u64 overflow page number, the value
+ *                           on that page after its header; F_SUBDATA: the data is a named database's MDB_db
+ *   MDB_db (48 bytes)       u32 pad; u16 flags; u16 depth; u64 branch, leaf, overflow pages; u64 entries;
+ *                           u64 root (~0: empty)
+ *   meta page (pages 0, 1)  header; u32 magic 0xBEEFC0DE; u32 version 1; u64 address; u64 mapsize;
+ *                           MDB_db free, main; u64 last page; u64 txnid (at byte 144)
+ *
+ * A named database is a record of the main database (key: its name; F_SUBDATA). Keys compare as
+ * LMDB's default: bytes, then length. A failed check returns an LK_* code and touches nothing beyond.
+ */
+
+enum {
+    LK_OK = 0,
+    LK_NOTFOUND = 1,
+    LK_RETRY = 2,     /* the meta page of this transaction was reused (two commits since): begin another */
+    LK_META = 16,     /* no sound meta page */
+    LK_PAGE = 17,     /* a page number past the end of the mapped file */
+    LK_HEADER = 18,   /* a page header that does not hold together (its own number, flags, free-space bounds) */
+    LK_NODE = 19,     /* a node offset outside its page */
+    LK_KEY = 20,      /* a key that runs past its page */
+    LK_DATA = 21,     /* inline data that runs past its page, or data of the wrong kind */
+    LK_OVERFLOW = 22, /* an overflow span past the end of the mapped file or of its pages */
+    LK_TREE = 23,     /* a tree deeper than its database says, or a branch page where a leaf belongs */
+    LK_DB = 24,       /* the named database's record is not a database LMDB would open */
+};
+
+#define PAGE_HEADER 16
+#define P_BRANCH 0x01
+#define P_LEAF 0x02
+#define P_OVERFLOW 0x04
+#define P_META 0x08
+#define P_LEAF2 0x20
+#define F_BIGDATA 0x01
+#define F_SUBDATA 0x02
+#define F_DUPDATA 0x04
+#define MDB_DUPSORT 0x04
+#define MDB_DB_SIZE 48
+#define MAX_DEPTH 32 /* LMDB's CURSOR_STACK: no sound tree is deeper */
+#define NO_ROOT UINT64_MAX
+
+static inline uint16_t le16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+
+/* The mapped file as far as it may be read: [base, base + len), pages of psize bytes. */
+typedef struct {
+    const uint8_t *base;
+    uint64_t len;
+    uint64_t psize;
+    uint64_t npages; /* whole pages in len */
+} Map;
+
+/* A page of the tree: ``p`` points at it once its number and header are checked. */
+static int page_at(const Map *m, uint64_t pgno, const uint8_t **out) {
+    if (pgno >= m->npages) return LK_PAGE;
+    const uint8_t *p = m->base + pgno * m->psize;
+    if (le64(p) != pgno) return LK_HEADER; /* every page LMDB writes carries its own number */
+    *out = p;
+    return LK_OK;
+}
+
+/* The number of nodes of a branch or leaf page, after checking its free-space bounds. */
+static int page_keys(const Map *m, const uint8_t *p, unsigned *n) {
+    unsigned lower = le16(p + 12), upper = le16(p + 14);
+    if (lower < PAGE_HEADER || (lower - PAGE_HEADER) % 2 || lower > upper || upper > m->psize) return LK_HEADER;
+    *n = (lower - PAGE_HEADER) / 2;
+    return LK_OK;
+}
+
+/* Node ``i`` of page ``p`` (i < its key count) and its key, checked to lie within the page. */
+static int node_at(const Map *m, const uint8_t *p, unsigned i, const uint8_t **node, const uint8_t **key,
+                   unsigned *ksize) {
+    unsigned off = le16(p + PAGE_HEADER + 2 * i);
+    if (off < le16(p + 14) || (uint64_t)off + 8 > m->psize) return LK_NODE; /* nodes live in [upper, psize) */
+    const uint8_t *nd = p + off;
+    unsigned ks = le16(nd + 6);
+    if ((uint64_t)off + 8 + ks > m->psize) return LK_KEY;
+    *node = nd;
+    *key = nd + 8;
+    *ksize = ks;
+    return LK_OK;
+}
+
+/* LMDB's default key order (mdb_cmp_memn): bytes, then the shorter first. */
+static inline int key_cmp(const uint8_t *a, size_t alen, const uint8_t *b, size_t blen) {
+    int c = memcmp(a, b, alen < blen ? alen : blen);
+    if (c) return c;
+    return alen < blen ? -1 : alen > blen;
+}
+
+/* Find ``key`` in the tree of ``depth`` levels under ``root``: its leaf node, or LK_NOTFOUND, or an error. */
+static int tree_find(const Map *m, uint64_t root, unsigned depth, const uint8_t *key, size_t klen,
+                     const uint8_t **leaf_page, const uint8_t **leaf_node) {
+    if (root == NO_ROOT) return LK_NOTFOUND;
+    if (depth == 0 || depth > MAX_DEPTH) return LK_TREE;
+    uint64_t pgno = root;
+    for (unsigned level = 0;; level++) {
+        const uint8_t *p, *nd, *k;
+        unsigned n, ks;
+        int rc = page_at(m, pgno, &p);
+        if (rc) return rc;
+        uint16_t flags = le16(p + 10);
+        if ((rc = page_keys(m, p, &n))) return rc;
+        if (level + 1 < depth) {
+            /* A branch: the last node whose key is <= key (node 0's key stands for "anything lower"). */
+            if (!(flags & P_BRANCH) || (flags & (P_LEAF | P_LEAF2 | P_OVERFLOW | P_META)) || n == 0) return LK_TREE;
+            unsigned lo = 1, hi = n, best = 0; /* search [lo, hi) */
+            while (lo < hi) {
+                unsigned mid = lo + (hi - lo) / 2;
+                if ((rc = node_at(m, p, mid, &nd, &k, &ks))) return rc;
+                if (key_cmp(k, ks, key, klen) <= 0) {
+                    best = mid;
+                    lo = mid + 1;
+                } else {
+                    hi = mid;
+                }
+            }
+            if ((rc = node_at(m, p, best, &nd, &k, &ks))) return rc;
+            pgno = (uint64_t)le16(nd) | (uint64_t)le16(nd + 2) << 16 | (uint64_t)le16(nd + 4) << 32;
+            continue;
+        }
+        /* The leaf level: an exact match or nothing. */
+        if (!(flags & P_LEAF) || (flags & (P_BRANCH | P_LEAF2 | P_OVERFLOW | P_META))) return LK_TREE;
+        unsigned lo = 0, hi = n;
+        while (lo < hi) {
+            unsigned mid = lo + (hi - lo) / 2;
+            if ((rc = node_at(m, p, mid, &nd, &k, &ks))) return rc;
+            int c = key_cmp(k, ks, key, klen);
+            if (c == 0) {
+                *leaf_page = p;
+                *leaf_node = nd;
+                return LK_OK;
+            }
+            if (c < 0)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        return LK_NOTFOUND;
+    }
+}
+
+/* Where a plain value (no F_SUBDATA / F_DUPDATA) of a leaf node lies in the file: (offset, size). */
+static int leaf_value(const Map *m, const uint8_t *p, const uint8_t *nd, uint64_t *offset, uint64_t *size) {
+    uint16_t flags = le16(nd + 4);
+    uint64_t sz = (uint64_t)le16(nd) | (uint64_t)le16(nd + 2) << 16;
+    uint64_t data = (uint64_t)(nd - p) + 8 + le16(nd + 6); /* in the page, checked <= psize by node_at */
+    if (flags & (F_SUBDATA | F_DUPDATA)) return LK_DATA;
+    if (flags & F_BIGDATA) {
+        if (data + 8 > m->psize) return LK_DATA;
+        uint64_t pgno = le64(p + data);
+        const uint8_t *ov;
+        int rc = page_at(m, pgno, &ov);
+        if (rc) return rc == LK_PAGE ? LK_OVERFLOW : rc;
+        if (!(le16(ov + 10) & P_OVERFLOW)) return LK_OVERFLOW;
+        uint64_t pages = le32(ov + 12);
+        /* The value must fit its run of pages, and the run the mapped file. */
+        if (pages == 0 || pages > m->npages - pgno || sz + PAGE_HEADER > pages * m->psize) return LK_OVERFLOW;
+        *offset = pgno * m->psize + PAGE_HEADER;
+        *size = sz;
+        return LK_OK;
+    }
+    if (data + sz > m->psize) return LK_DATA;
+    *offset = (uint64_t)(p - m->base) + data;
+    *size = sz;
+    return LK_OK;
+}
+
+/* A named database's root, depth and flags, read from the meta page of ``txnid`` and the main database. */
+typedef struct {
+    uint64_t root;
+    unsigned depth;
+    unsigned flags;
+} Tree;
+
+static int open_tree(const Map *m, uint64_t txnid, const uint8_t *name, size_t nlen, Tree *out) {
+    if (m->npages < 2) return LK_META;
+    const uint8_t *meta = m->base + (txnid & 1) * m->psize; /* LMDB writes txn t's meta to page t & 1 */
+    const volatile uint8_t *vtx = meta + 144;
+    if (le32(meta + 16) != 0xBEEFC0DEU || le32(meta + 20) != 1 || !(le16(meta + 10) & P_META)) return LK_META;
+    /* Seqlock-style: a writer two commits on rewrites this page in place; a txnid read equal before and
+     * after the copy means the copy is this snapshot's (see the docstring of lmdbcache/_native/__init__.py
+     * for the one window this cannot see). */
+    uint64_t before = le64((const uint8_t *)vtx);
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    uint64_t root = le64(meta + 88 + 40);
+    unsigned depth = le16(meta + 88 + 6);
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    uint64_t after = le64((const uint8_t *)vtx);
+    if (before != txnid || after != txnid) return LK_RETRY;
+    const uint8_t *p, *nd;
+    int rc = tree_find(m, root, depth, name, nlen, &p, &nd);
+    if (rc) return rc;
+    uint16_t flags = le16(nd + 4);
+    uint64_t data = (uint64_t)(nd - p) + 8 + le16(nd + 6);
+    uint64_t size = (uint64_t)le16(nd) | (uint64_t)le16(nd + 2) << 16;
+    if (!(flags & F_SUBDATA) || (flags & F_BIGDATA) || size != MDB_DB_SIZE || data + MDB_DB_SIZE > m->psize)
+        return LK_DB;
+    const uint8_t *db = p + data;
+    out->flags = le16(db + 4);
+    out->depth = le16(db + 6);
+    out->root = le64(db + 40);
+    if (out->flags & ~0x7fu || (out->flags & MDB_DUPSORT) || out->flags & 0x08 /* MDB_INTEGERKEY */ ||
+        out->flags & 0x02 /* MDB_REVERSEKEY */)
+        return LK_DB; /* keys here compare as plain bytes; lmdbcache opens its databases with no flags */
+    if (out->root == NO_ROOT ? out->depth != 0 : (out->depth == 0 || out->depth > MAX_DEPTH)) return LK_DB;
+    return LK_OK;
+}
+
+/* The Map of a (base address, usable length, page size) triple from Python, or -1 with an exception set. */
+static int map_from(Map *m, unsigned long long base, unsigned long long len, unsigned long long psize) {
+    if (base == 0 || psize < 512 || psize > 65536 || (psize & (psize - 1))) {
+        PyErr_SetString(PyExc_ValueError, "a mapping needs a base address and a power-of-two page size");
+        return -1;
+    }
+    m->base = (const uint8_t *)(uintptr_t)base;
+    m->len = len;
+    m->psize = psize;
+    m->npages = len / psize;
+    return 0;
+}
+
+PyDoc_STRVAR(py_open_tree_doc,
+             "open_tree(base, length, psize, txnid, name, /) -> (code, root, depth)\n\n"
+             "The root page and depth of the named database ``name`` in the snapshot of the read transaction\n"
+             "``txnid``, read from the file mapped at ``base`` (``length`` bytes of it readable, pages of\n"
+             "``psize``). ``code`` is 0, NOTFOUND (no such database), RETRY (the snapshot's meta page was\n"
+             "reused: begin a new transaction) or an error code (see CODES).");
+
+static PyObject *py_open_tree(PyObject *self, PyObject *args) {
+    unsigned long long base, len, psize, txnid;
+    Py_buffer name;
+    Map m;
+    Tree t = {NO_ROOT, 0, 0};
+    if (!PyArg_ParseTuple(args, "KKKKy*:open_tree", &base, &len, &psize, &txnid, &name)) return NULL;
+    if (map_from(&m, base, len, psize) < 0) {
+        PyBuffer_Release(&name);
+        return NULL;
+    }
+    int rc = open_tree(&m, txnid, name.buf, (size_t)name.len, &t);
+    PyBuffer_Release(&name);
+    return Py_BuildValue("iKI", rc, (unsigned long long)t.root, t.depth);
+}
+
+PyDoc_STRVAR(py_locate_doc,
+             "locate(base, length, psize, root, depth, key, /) -> (code, offset, size)\n\n"
+             "Where the value of ``key`` lies in the mapped file (offset from ``base``), in the tree of\n"
+             "``root`` and ``depth`` (open_tree): code 0, NOTFOUND or an error code; nothing outside\n"
+             "[base, base + length) is read.");
+
+static PyObject *py_locate(PyObject *self, PyObject *args) {
+    unsigned long long base, len, psize, root;
+    unsigned int depth;
+    Py_buffer key;
+    Map m;
+    if (!PyArg_ParseTuple(args, "KKKKIy*:locate", &base, &len, &psize, &root, &depth, &key)) return NULL;
+    if (map_from(&m, base, len, psize) < 0) {
+        PyBuffer_Release(&key);
+        return NULL;
+    }
+    const uint8_t *p, *nd;
+    uint64_t offset = 0, size = 0;
+    int rc = tree_find(&m, root, depth, key.buf, (size_t)key.len, &p, &nd);
+    if (rc == LK_OK) rc = leaf_value(&m, p, nd, &offset, &size);
+    PyBuffer_Release(&key);
+    return Py_BuildValue("iKK", rc, (unsigned long long)offset, (unsigned long long)size);
+}
+
+/* ------------------------------------------------------------------------------------------
  * The module. */
 
 /* Bumped whenever the Python side's expectations of this module change. */
@@ -271,6 +547,8 @@ static PyObject *py_xxh3_64(PyObject *self, PyObject *const *args, Py_ssize_t na
 
 static PyMethodDef core_methods[] = {
     {"xxh3_64", (PyCFunction)(void (*)(void))py_xxh3_64, METH_FASTCALL, py_xxh3_64_doc},
+    {"open_tree", py_open_tree, METH_VARARGS, py_open_tree_doc},
+    {"locate", py_locate, METH_VARARGS, py_locate_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -285,7 +563,8 @@ static struct PyModuleDef core_module = {
 PyMODINIT_FUNC PyInit__core(void) {
     PyObject *m = PyModule_Create(&core_module);
     if (m == NULL) return NULL;
-    if (PyModule_AddIntConstant(m, "VERSION", CORE_VERSION) < 0) {
+    if (PyModule_AddIntConstant(m, "VERSION", CORE_VERSION) < 0 || PyModule_AddIntConstant(m, "OK", LK_OK) < 0 ||
+        PyModule_AddIntConstant(m, "NOTFOUND", LK_NOTFOUND) < 0 || PyModule_AddIntConstant(m, "RETRY", LK_RETRY) < 0) {
         Py_DECREF(m);
         return NULL;
     }
