@@ -30,10 +30,11 @@ from typing import Any
 
 import lmdb
 
-from . import _pack, codec
+from . import _native, _pack, codec
 from ._guard import PREFETCH_MIN
 from ._handle import Handle
 from ._lmdb_errors import REBUILD, translate
+from ._native.batch import Spans
 from .errors import CorruptCacheError, CorruptSampleError, LmdbCacheError
 
 __all__ = ["MISSING", "ReadPath"]
@@ -296,7 +297,12 @@ class ReadPath(Handle):
             if build is not None and build != self.build:
                 raise self.mismatch(build)
             txn = self._reader()
-            value, verified = self._value, self._verified
+            verified = self._verified
+            if _native.core is not None and (spans := self._native_spans(txn, indices, always)) is not None:
+                if spans is MISSING:
+                    return MISSING
+                return self._copy_native(spans, copy, verified)
+            value = self._value
             views: list[Any] = []
             checks: list[bool] = []
             sizes: list[int] = []
@@ -320,6 +326,82 @@ class ReadPath(Handle):
                     if checked and index < len(verified):
                         verified[index] = _mark(size)  # bounds and data checksum passed in this process
             return result
+
+    # ------------------------------------------------------------------------------------
+    # The batch path on the compiled core (lmdbcache._native): one call locates the batch, one per slice copies it
+
+    def _native_spans(self, txn: lmdb.Transaction, indices: list[int], always: bool) -> Any:
+        """The batch's values located by the core (``Spans``), ``MISSING`` if one is absent, or None: no map
+        address is known here (not Linux, or the guard could not find the map), so the Python path reads it.
+
+        A snapshot whose meta page was reused meanwhile is read again in a new transaction; a lookup that
+        fails is tried once more after the guard looks for the map and the file's size again (another process
+        may have grown the file since); a second failure is damage, worded as the guard words it.
+        """
+        core, guard = _native.core, self._guard
+        assert core is not None
+        if guard is None:
+            return None
+        refreshed = False
+        for _ in range(8):
+            base, length, view = guard.mapping()
+            if not base:
+                return None
+            psize = guard.page_size
+            code, root, depth = core.open_tree(base, length, psize, txn.id(), b"samples")
+            if code == _native.RETRY:
+                self._drop_reader()
+                txn = self._reader()
+                continue
+            k = -1
+            if code == _native.OK:
+                code, k, blob = core.locate_batch(
+                    base, length, psize, root, depth, indices, self._pack, self._length, self._verified, always
+                )
+                if code == _native.OK:
+                    return Spans(base, length, view, blob)
+                if code == _native.NOTFOUND:
+                    return MISSING  # the caller reads the batch again through get_many, which looks again
+            elif code == _native.NOTFOUND:
+                return None  # no samples database in this snapshot: the Python path says what that means
+            if not refreshed:
+                refreshed = True
+                guard.refresh()
+                continue
+            raise self._native_damage(code, indices[k] if k >= 0 else None)
+        return None  # the meta page kept being reused under us: the Python path reads this batch
+
+    def _native_damage(self, code: int, index: int | None) -> CorruptCacheError:
+        if index is None:
+            return CorruptCacheError(
+                f"Cache '{self.path}' is damaged: the samples database cannot be read ({_native.reason(code)}). "
+                f"{REBUILD}"
+            )
+        if code == _native.PACK:
+            first = index - index % self._pack
+            last = min(first + self._pack, self._length) - 1
+            return CorruptCacheError(
+                f"Cache '{self.path}' is damaged: the pack holding index {index} (indices {first} to {last}) is "
+                f"broken ({_native.reason(code)}); it was not read. Run `lmdbcache verify --repair {self.path}` "
+                "to drop it (its samples are decoded again from the source on their next read)."
+            )
+        return CorruptCacheError(
+            f"Cache '{self.path}' is damaged: the record of index {index} is broken ({_native.reason(code)}); it "
+            f"was not read. {REBUILD}"
+        )
+
+    def _copy_native(self, spans: Spans, copy: Callable[[Any, Any], Any], verified: bytearray | None) -> Any:
+        """``read_batch``'s copy over located values; indices whose data checksum passed are marked verified."""
+        try:
+            result = copy(spans, spans.checks())
+        except CorruptSampleError as exc:
+            where = getattr(exc, "index", None)
+            if where is None:
+                raise
+            raise self._corrupt(where, exc) from None
+        if verified is not None and result is not None:
+            _native.core.mark_verified(verified, spans.blob, PREFETCH_MIN)  # type: ignore[union-attr]
+        return result
 
     def _value(self, txn: lmdb.Transaction, index: int, verified_before: int) -> Any:
         """The stored value of ``index`` or None: a plain get if this process verified it before, else ``_fetch``.

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
 import random
 import struct
 import subprocess
 import sys
+import threading
+import time
 from typing import Any
 
 import lmdb
 import numpy as np
 import pytest
+import torch
+from helpers import Listed, Synthetic, key, raw_cache
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from xxhash import xxh3_64_intdigest
 
-from lmdbcache import _native
+from lmdbcache import CachedDataset, CorruptSampleError, LmdbCacheError, _native
 from lmdbcache._guard import MapGuard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -138,7 +143,7 @@ def _value_for(i: int, rng: random.Random) -> bytes:
 def _located(env: lmdb.Environment, path: str, name: bytes = b"samples") -> dict[bytes, bytes | None]:
     """Every key of ``name`` as the native reader finds it in a fresh read transaction, checked as it goes."""
     guard = MapGuard(os.path.join(path, "data.mdb"), env.stat()["psize"])
-    base, length = guard.mapping()
+    base, length, _ = guard.mapping()
     assert base and length
     psize = env.stat()["psize"]
     db = env.open_db(name)
@@ -223,7 +228,7 @@ def test_open_tree_needs_the_snapshots_meta(env_path: str) -> None:
                 with env.begin(write=True) as txn:
                     txn.put(_KEY(i), b"v", db=db)
             guard.refresh()  # the file grew: pages past the old length are not read
-            base, length = guard.mapping()
+            base, length, _ = guard.mapping()
             assert core.open_tree(base, length, 4096, old.id(), b"samples")[0] == _native.RETRY
         with env.begin(buffers=True) as txn:
             assert core.open_tree(base, length, 4096, txn.id(), b"samples")[0] == 0
@@ -239,7 +244,7 @@ def test_open_tree_needs_the_snapshots_meta(env_path: str) -> None:
 _DAMAGE_CHILD = r"""
 import ctypes, os, random, shutil, struct, sys
 import lmdb
-from lmdbcache import _native
+from lmdbcache import CachedDataset, CorruptSampleError, LmdbCacheError, _native
 from lmdbcache._guard import MapGuard
 from lmdbcache._guard import MapGuard
 core = _native.core
@@ -260,7 +265,7 @@ for seed in range(first, first + count):
     open(os.path.join(work, "data.mdb"), "wb").write(bad)
     print(seed, flush=True)
     env = lmdb.open(work, max_dbs=4, readonly=True, lock=False)
-    base, length = MapGuard(os.path.join(work, "data.mdb"), 4096).mapping()
+    base, length, _ = MapGuard(os.path.join(work, "data.mdb"), 4096).mapping()
     with env.begin(buffers=True) as txn:
         code, root, depth = core.open_tree(base, length, 4096, txn.id(), b"samples")
         seen[code] = seen.get(code, 0) + 1
@@ -297,3 +302,336 @@ def test_damaged_files_never_crash_the_reader(env_path: str, tmp_path: Any) -> N
     assert out.returncode == 0, f"died after seed {out.stdout.split()[-1:]}: {out.stderr[-2000:]}"
     codes = dict(eval(out.stdout.splitlines()[-1][len("codes ") :]))
     assert codes.get(0) and any(code >= 16 for code in codes), codes
+
+
+# ----------------------------------------------------------------------------------------
+# The loader's batch path: native and pure-Python batches byte-identical, the same errors
+
+
+def _bytes_of(x: Any) -> Any:
+    """A batch as nested lists of (dtype, shape, raw bytes): byte-identical means equal."""
+    if isinstance(x, torch.Tensor):
+        flat = x.contiguous().reshape(-1)
+        return (str(x.dtype), tuple(x.shape), flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+    if isinstance(x, dict):
+        return {k: _bytes_of(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [type(x).__name__, *[_bytes_of(v) for v in x]]
+    return (type(x).__name__, x)
+
+
+_DTYPES = [
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16", "bfloat16",
+    "float32", "float64", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2",
+]  # fmt: skip
+
+
+def _tensor(i: int, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    raw = torch.randint(0, 256, (max(1, int(np.prod(shape))) * 16,), dtype=torch.uint8, generator=g)
+    dt = getattr(torch, dtype)
+    n = int(np.prod(shape))
+    return raw[: n * dt.itemsize].view(dt).reshape(shape).clone()
+
+
+SAMPLE_KINDS: dict[str, Any] = {
+    **{f"dtype {d}": (lambda i, d=d: (_tensor(i, d, (3, 5)), i)) for d in _DTYPES if hasattr(torch, d)},
+    "scalars only": lambda i: (i, i / 3, i % 2 == 0),
+    "one tensor": lambda i: (_tensor(i, "float32", (7,)),),
+    "0-d tensors": lambda i: (_tensor(i, "int64", ()), _tensor(i + 1, "float64", ()), -i),
+    "scalars first": lambda i: (i * 7 - 3, _tensor(i, "int16", (2, 2)), 0.5, True),
+    "empty tensor": lambda i: (torch.zeros(0, 3), i),
+    "non-contiguous": lambda i: (_tensor(i, "float32", (4, 6)).t(), i),
+    "large (overflow pages)": lambda i: (_tensor(i, "uint8", (3, 64, 64)), i),
+    "dict (not flat)": lambda i: {"x": _tensor(i, "float32", (3,)), "y": i},
+    "nested (not flat)": lambda i: ((_tensor(i, "int32", (2,)), i), float(i)),
+}
+
+
+def _epoch(ds: CachedDataset, batch: int, **kwargs: Any) -> list[Any]:
+    with ds.loader(batch, **kwargs) as loader:
+        return [_bytes_of(b) for b in loader]
+
+
+class _Counting:
+    """The core, with its calls counted."""
+
+    def __init__(self, real: Any) -> None:
+        self.real, self.calls = real, collections.Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.real, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args: Any) -> Any:
+            self.calls[name] += 1
+            return attr(*args)
+
+        return counted
+
+
+@pytest.fixture
+def counting(monkeypatch: Any) -> _Counting:
+    import lmdbcache._native.batch as batch_module
+
+    proxy = _Counting(core)
+    monkeypatch.setattr(_native, "core", proxy)
+    monkeypatch.setattr(batch_module, "core", proxy)
+    return proxy
+
+
+@needs_core
+@pytest.mark.parametrize("pack", [0, 8])
+@pytest.mark.parametrize("kind", list(SAMPLE_KINDS))
+def test_native_and_python_batches_are_byte_identical(tmp_path: Any, kind: str, pack: int, counting: Any) -> None:
+    """Every flat sample kind (every dtype, scalars, 0-d, empty, packs) gives the same batch bytes both ways."""
+    make = SAMPLE_KINDS[kind]
+    ds = CachedDataset(Listed([make(i) for i in range(37)]), str(tmp_path / "c.lmdb"), pack=pack)
+    ds.__getitems__(list(range(37)))
+    ds.flush()
+    native = _epoch(ds, 8, shuffle=True, seed=3)
+    used = counting.calls["fill"]
+    counting.real, saved = None, counting.real
+    try:
+        import lmdbcache._native.batch as batch_module
+
+        batch_module.core = None  # type: ignore[assignment]
+        _native.core = None  # type: ignore[assignment]
+        python = _epoch(ds, 8, shuffle=True, seed=3)
+    finally:
+        counting.real = saved
+    assert native == python
+    flat = not kind.endswith("(not flat)") and kind != "empty tensor"
+    assert (used > 0) == flat, counting.calls
+    ds.close()
+
+
+@needs_core
+@pytest.mark.parametrize("checksum", ["once", "always"])
+@pytest.mark.parametrize(("what", "at"), [("data", -1), ("structure", 30), ("header", 10), ("magic", 0)])
+def test_damaged_values_give_the_same_error_both_ways(tmp_path: Any, checksum: str, what: str, at: int) -> None:
+    """A damaged value raises the same CorruptSampleError (type and message) on the native and the Python path."""
+    path = tmp_path / "c.lmdb"
+    ds = CachedDataset(Synthetic(24), str(path))
+    ds.__getitems__(list(range(24)))
+    ds.close()
+    with raw_cache(path) as (txn, samples, _):
+        value = bytearray(txn.get(key(13), db=samples))
+        value[at] ^= 0xFF
+        txn.put(key(13), bytes(value), db=samples)
+    errors = []
+    for native in (True, False):
+        ds = CachedDataset.open(str(path), checksum=checksum)
+        saved = _native.core
+        _native.core = saved if native else None  # type: ignore[assignment]
+        try:
+            with pytest.raises(LmdbCacheError) as raised:
+                _epoch(ds, 8)
+            errors.append((type(raised.value), str(raised.value)))
+        finally:
+            _native.core = saved  # type: ignore[assignment]
+            ds.close()
+    if what == "magic":  # not a value of the flat form: both paths hand it to get_many, which refuses it
+        assert errors[0] == errors[1]
+    else:
+        assert errors[0] == errors[1] and errors[0][0] is CorruptSampleError
+    assert "index 13" in errors[0][1]
+
+
+@needs_core
+def test_a_record_past_the_file_is_refused_both_ways(tmp_path: Any) -> None:
+    """A record whose length runs past data.mdb raises CorruptCacheError on both paths (never SIGBUS)."""
+    path = tmp_path / "c.lmdb"
+    ds = CachedDataset(Listed([(_tensor(i, "uint8", (3, 64, 64)), i) for i in range(24)]), str(path))
+    ds.__getitems__(list(range(24)))
+    ds.close()
+    data = bytearray((path / "data.mdb").read_bytes())
+    needle = struct.pack(">Q", 5)
+    at = data.find(needle)
+    while at >= 0:  # every node of index 5 (stale copies in free pages too): its length's high half grows
+        if data[at - 4] & 0x01:  # F_BIGDATA: this is the node's key, its header before it
+            data[at - 6] ^= 0x20
+        at = data.find(needle, at + 1)
+    (path / "data.mdb").write_bytes(bytes(data))
+    out = subprocess.run(
+        [sys.executable, "-c", _RECORD_CHILD, str(path)],
+        env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    native, python = out.stdout.splitlines()[-2:]
+    assert native.startswith("CorruptCacheError") and python.startswith("CorruptCacheError"), out.stdout
+    assert "index 5" in native and "index 5" in python
+
+
+_RECORD_CHILD = r"""
+import sys
+from lmdbcache import CachedDataset, LmdbCacheError, _native
+core = _native.core
+for native in (True, False):
+    _native.core = core if native else None
+    ds = CachedDataset.open(sys.argv[1])
+    try:
+        for _ in ds.loader(8):
+            pass
+        print("no error")
+    except LmdbCacheError as exc:
+        print(type(exc).__name__, str(exc))
+    ds.close()
+"""
+
+
+# ----------------------------------------------------------------------------------------
+# Concurrency: commits and map growth in another process, fork, close() during a batch
+
+
+def _medium(i: int) -> tuple[torch.Tensor, int]:
+    """A 4.8 KB sample (overflow pages): a few hundred of them outgrow a 1 MiB map several times."""
+    return torch.randint(0, 256, (3, 40, 40), dtype=torch.uint8, generator=torch.Generator().manual_seed(i)), i
+
+
+class _Medium(Listed):
+    def __init__(self, n: int) -> None:
+        super().__init__([])
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        return _medium(i)
+
+
+_WRITER_CHILD = r"""
+import sys, torch
+from lmdbcache import CachedDataset
+path, lo, hi = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+class Medium(torch.utils.data.Dataset):
+    def __len__(self):
+        return 800
+    def __getitem__(self, i):
+        return torch.randint(0, 256, (3, 40, 40), dtype=torch.uint8, generator=torch.Generator().manual_seed(i)), i
+ds = CachedDataset(Medium(), path, fingerprint="medium", map_size=1 << 20)
+for start in range(lo, hi, 20):
+    ds.__getitems__(list(range(start, min(start + 20, hi))))
+    ds.flush()
+ds.close()
+"""
+
+
+def _check_batches(ds: CachedDataset, indices: list[int], rounds: int, errors: list[BaseException]) -> None:
+    try:
+        for _ in range(rounds):
+            with ds.loader(16, sampler=indices) as loader:
+                for images, labels in loader:
+                    for image, label in zip(images, labels.tolist()):
+                        assert torch.equal(image, _medium(label)[0]), label
+    except BaseException as exc:
+        errors.append(exc)
+
+
+@needs_core
+@pytest.mark.timeout(170)
+def test_threads_read_while_another_process_commits_and_grows_the_map(tmp_path: Any, counting: Any) -> None:
+    """Two threads read batches natively while another process commits and grows the map: every batch is right."""
+    path = str(tmp_path / "c.lmdb")
+    ds = CachedDataset(_Medium(800), path, fingerprint="medium", map_size=1 << 20)
+    ds.__getitems__(list(range(200)))
+    ds.flush()
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER_CHILD, path, "200", "800"],
+        env={**os.environ, "PYTHONPATH": ROOT},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    errors: list[BaseException] = []
+    try:
+        threads = [
+            threading.Thread(target=_check_batches, args=(ds, random.Random(k).sample(range(200), 200), 6, errors))
+            for k in range(2)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        _, err = writer.communicate(timeout=120)
+    assert writer.returncode == 0, err
+    assert not errors, errors[0]
+    assert counting.calls["fill"] > 0 and counting.calls["locate_batch"] > 0
+    _check_batches(ds, list(range(800)), 1, errors)  # the whole grown file, read natively after the growth
+    assert not errors, errors[0]
+    assert os.path.getsize(os.path.join(path, "data.mdb")) > 1 << 20
+    ds.close()
+
+
+_FORK_CHILD = r"""
+import os, sys, torch
+from lmdbcache import CachedDataset, _native
+assert _native.core is not None
+ds = CachedDataset.open(sys.argv[1])
+first = [b[1].tolist() for b in ds.loader(16)]
+pid = os.fork()
+if pid == 0:
+    try:
+        again = [b[1].tolist() for b in ds.loader(16)]
+        os._exit(0 if again == first else 3)
+    except BaseException as exc:
+        print("child:", repr(exc), flush=True)
+        os._exit(4)
+_, status = os.waitpid(pid, 0)
+print("child status", os.waitstatus_to_exitcode(status))
+assert [b[1].tolist() for b in ds.loader(16)] == first
+"""
+
+
+@needs_core
+def test_fork_after_the_core_read_batches(tmp_path: Any) -> None:
+    """A child forked after the native path read batches reads the same batches (its own handle), as does the parent."""
+    path = tmp_path / "c.lmdb"
+    ds = CachedDataset(Synthetic(64), str(path))
+    ds.__getitems__(list(range(64)))
+    ds.close()
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore::DeprecationWarning", "-c", _FORK_CHILD, str(path)],
+        env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert "child status 0" in out.stdout, out.stdout
+
+
+@needs_core
+def test_close_from_another_thread_during_batches(tmp_path: Any) -> None:
+    """close() from another thread while the loader reads natively waits for the batch; reading reopens or ends
+    cleanly with a library error, never a crash."""
+    path = tmp_path / "c.lmdb"
+    ds = CachedDataset(_Medium(400), str(path), fingerprint="medium")
+    ds.__getitems__(list(range(400)))
+    ds.flush()
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def closer() -> None:
+        while not stop.is_set():
+            ds.close()
+            time.sleep(0.001)
+
+    t = threading.Thread(target=closer)
+    t.start()
+    try:
+        for _ in range(3):
+            try:
+                _check_batches(ds, list(range(400)), 1, errors)
+            except LmdbCacheError:
+                pass
+    finally:
+        stop.set()
+        t.join()
+    assert not [e for e in errors if not isinstance(e, LmdbCacheError)], errors
+    ds.close()

@@ -19,8 +19,10 @@ version), a big-endian machine (the Python side keeps the native path off there,
 does). One window it cannot see: a writer two commits on rewrites the meta page in place, and
 a copy of the root made while those 48 bytes are half written, with the txnid not yet changed,
 would read a newer snapshot; its pages are all still held by this reader (LMDB frees only
-pages no reader can see), so every read stays inside sound pages. The Python side reads the
-meta right after it begins a transaction, so this needs two commits within that instant.
+pages no reader can see), so every read stays inside sound pages, and every value read is
+still checked against its index's checksums. It needs two commits within the life of a kept
+read transaction (at most ``_read._READER_MAX_AGE``) and the copy to fall inside the second
+one's write of the meta page.
 
 May import: ``lmdbcache.errors`` only.
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 import warnings
 from types import ModuleType
 
@@ -38,8 +41,8 @@ __all__ = ["NATIVE", "core"]
 
 
 def _load() -> ModuleType | None:
-    if os.environ.get("LMDBCACHE_PURE_PYTHON", "") not in ("", "0"):
-        return None
+    if os.environ.get("LMDBCACHE_PURE_PYTHON", "") not in ("", "0") or sys.byteorder != "little":
+        return None  # forced, or a machine whose byte order the core does not read LMDB's pages in
     try:
         module = importlib.import_module(__name__ + "._core")
     except ImportError as exc:
@@ -71,8 +74,9 @@ REASONS: dict[int, str] = {
     22: "its overflow pages would run past the end of the data file",
     23: "the tree above it is deeper than its database says, or malformed",
     24: "the samples database's own record is broken",
+    25: "its pack's header does not hold its value",
 }
-OK, NOTFOUND, RETRY = 0, 1, 2
+OK, NOTFOUND, RETRY, PACK = 0, 1, 2, 25
 
 
 def reason(code: int) -> str:

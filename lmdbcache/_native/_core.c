@@ -540,6 +540,259 @@ static PyObject *py_locate(PyObject *self, PyObject *args) {
 }
 
 /* ------------------------------------------------------------------------------------------
+ * The loader's batch path: locate every index of a batch (locate_batch), then copy each slice
+ * of it into the batch tensors (fill), both with the GIL released. A batch's spans travel
+ * between the two as a bytearray of SPAN-byte records: u64 offset, u64 size, u64 index,
+ * u8 check (verify the data checksum), 7 bytes of padding.
+ */
+
+#define SPAN 32
+#define LK_PACK 25 /* a pack whose header does not hold the index's value (lmdbcache/_pack.py) */
+
+static inline void put_be64(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (56 - 8 * i));
+}
+
+/* The value of ``index`` in the pack at [offset, offset + size) of the file, for a chunk of ``n`` values
+ * starting at ``first``: the checks of _pack.span (magic, count, the pair within the values). */
+static int pack_value(const Map *m, uint64_t offset, uint64_t size, uint64_t j, uint64_t n, uint64_t *at,
+                      uint64_t *len) {
+    const uint8_t *v = m->base + offset; /* [offset, offset + size) was checked against the map by leaf_value */
+    if (size < 8 + 8 * n || memcmp(v, "LMPK", 4) || le32(v + 4) != n) return LK_PACK;
+    uint64_t start = le32(v + 8 + 8 * j), end = le32(v + 12 + 8 * j);
+    if (start < 8 + 8 * n || start > end || end > size) return LK_PACK;
+    *at = offset + start;
+    *len = end - start;
+    return LK_OK;
+}
+
+/* Locate one index as ReadPath._fetch does: (packs on) its value in its chunk's pack, else its single record. */
+static int locate_index(const Map *m, uint64_t root, unsigned depth, uint64_t index, uint64_t pack,
+                        uint64_t length, uint64_t *offset, uint64_t *size) {
+    uint8_t key[9];
+    const uint8_t *p, *nd;
+    int rc;
+    uint64_t first = pack ? index - index % pack : 0;
+    if (pack && first < length) {
+        uint64_t n = length - first < pack ? length - first : pack, at, sz;
+        put_be64(key, first);
+        key[8] = 'P';
+        rc = tree_find(m, root, depth, key, 9, &p, &nd);
+        if (rc == LK_OK) {
+            if ((rc = leaf_value(m, p, nd, &at, &sz))) return rc;
+            if (index - first >= n) return LK_PACK;
+            return pack_value(m, at, sz, index - first, n, offset, size);
+        }
+        if (rc != LK_NOTFOUND) return rc;
+    }
+    put_be64(key, index);
+    rc = tree_find(m, root, depth, key, 8, &p, &nd);
+    return rc ? rc : leaf_value(m, p, nd, offset, size);
+}
+
+PyDoc_STRVAR(py_locate_batch_doc,
+             "locate_batch(base, length, psize, root, depth, indices, pack, dataset_length, verified, always, /)\n"
+             "-> (code, k, spans)\n\n"
+             "Locate every index of ``indices`` (a list of ints) as locate() does, in a pack of ``pack`` values\n"
+             "when its single record is absent (pack > 0). ``spans`` is a bytearray of 32-byte records (u64\n"
+             "offset, u64 size, u64 index, u8 check): check is set where the data checksum must be verified\n"
+             "(``always``, ``verified`` None, past its end, or its byte 0). code 0: all found; else the code\n"
+             "(NOTFOUND or an error) of indices[k], the first that failed.");
+
+static PyObject *py_locate_batch(PyObject *self, PyObject *args) {
+    unsigned long long base, len, psize, root, pack, length;
+    unsigned int depth;
+    PyObject *indices, *verified;
+    int always;
+    Map m;
+    if (!PyArg_ParseTuple(args, "KKKKIO!KKOp:locate_batch", &base, &len, &psize, &root, &depth, &PyList_Type,
+                          &indices, &pack, &length, &verified, &always))
+        return NULL;
+    if (map_from(&m, base, len, psize) < 0) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(indices);
+    PyObject *blob = PyByteArray_FromStringAndSize(NULL, n * SPAN);
+    if (blob == NULL) return NULL;
+    uint8_t *spans = (uint8_t *)PyByteArray_AS_STRING(blob);
+    memset(spans, 0, (size_t)n * SPAN);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        uint64_t index = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(indices, k));
+        if (index == (uint64_t)-1 && PyErr_Occurred()) {
+            Py_DECREF(blob);
+            return NULL;
+        }
+        memcpy(spans + k * SPAN + 16, &index, 8);
+    }
+    Py_buffer vb = {0};
+    int have_verified = verified != Py_None;
+    if (have_verified && PyObject_GetBuffer(verified, &vb, PyBUF_SIMPLE) < 0) {
+        Py_DECREF(blob);
+        return NULL;
+    }
+    int rc = LK_OK;
+    Py_ssize_t k;
+    Py_BEGIN_ALLOW_THREADS
+    for (k = 0; k < n; k++) {
+        uint8_t *rec = spans + k * SPAN;
+        uint64_t index, offset = 0, size = 0;
+        memcpy(&index, rec + 16, 8);
+        rc = locate_index(&m, root, depth, index, pack, length, &offset, &size);
+        if (rc) break;
+        memcpy(rec, &offset, 8);
+        memcpy(rec + 8, &size, 8);
+        rec[24] = always || !have_verified || index >= (uint64_t)vb.len || !((const uint8_t *)vb.buf)[index];
+    }
+    Py_END_ALLOW_THREADS
+    if (have_verified) PyBuffer_Release(&vb);
+    return Py_BuildValue("inN", rc, rc ? k : (Py_ssize_t)0, blob);
+}
+
+/* fill's outcomes (the row is returned with them). */
+enum { FILL_OK = 0, FILL_OTHER = 1, FILL_STRUCTURE = 2, FILL_LENGTHS = 3, FILL_DATA = 4, FILL_SPAN = 5 };
+
+#define MAX_FIELDS 255 /* MAX_FLAT_ITEMS */
+
+PyDoc_STRVAR(py_fill_doc,
+             "fill(base, length, spans, lo, hi, plan, dests, scalar_dest, /) -> (status, row)\n\n"
+             "Copy the values of spans rows lo:hi (locate_batch) into rows lo:hi of the batch buffers, as\n"
+             "lmdbcache._gather.Buffers.fill does: ``plan`` is (signature key, struct_size, value_size,\n"
+             "scalars_at, scalar_size, ((pos, nbytes), ...)), ``dests`` one writable buffer per tensor field,\n"
+             "``scalar_dest`` the staging rows. status 0: done; 1: the value of ``row`` is not of this flat\n"
+             "layout (nothing is wrong: the caller takes its other path); 2, 3, 4: the structure checksum,\n"
+             "the lengths, the data checksum of ``row`` do not match; 5: a span outside the map.");
+
+static PyObject *py_fill(PyObject *self, PyObject *args) {
+    unsigned long long base, len;
+    Py_ssize_t lo, hi;
+    PyObject *blob, *plan, *dests, *scalar_obj;
+    Map m;
+    if (!PyArg_ParseTuple(args, "KKO!nnO!O!O:fill", &base, &len, &PyByteArray_Type, &blob, &lo, &hi, &PyTuple_Type,
+                          &plan, &PyList_Type, &dests, &scalar_obj))
+        return NULL;
+    if (map_from(&m, base, len, 4096) < 0) return NULL;
+    Py_buffer key;
+    unsigned long long struct_size, value_size, scalars_at, scalar_size;
+    PyObject *positions;
+    if (!PyArg_ParseTuple(plan, "y*KKKKO!:fill plan", &key, &struct_size, &value_size, &scalars_at, &scalar_size,
+                          &PyTuple_Type, &positions))
+        return NULL;
+    Py_ssize_t nfields = PyTuple_GET_SIZE(positions);
+    Py_ssize_t nspans = PyByteArray_GET_SIZE(blob) / SPAN;
+    uint64_t pos[MAX_FIELDS], nbytes[MAX_FIELDS];
+    Py_buffer out[MAX_FIELDS], scalars = {0};
+    Py_ssize_t got = 0;
+    int ok = 0;
+    if (nfields > MAX_FIELDS || nfields != PyList_GET_SIZE(dests) || lo < 0 || lo > hi || hi > nspans) {
+        PyErr_SetString(PyExc_ValueError, "fill: fields, destinations and rows do not agree");
+        goto done;
+    }
+    for (got = 0; got < nfields; got++) {
+        PyObject *field = PyTuple_GET_ITEM(positions, got);
+        if (!PyArg_ParseTuple(field, "KK", &pos[got], &nbytes[got])) goto done;
+        if (PyObject_GetBuffer(PyList_GET_ITEM(dests, got), &out[got], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        /* Every row written must lie in its buffer, checked here, before the GIL is released. */
+        if (nbytes[got] && (uint64_t)out[got].len / nbytes[got] < (uint64_t)hi) {
+            PyErr_SetString(PyExc_ValueError, "fill: a destination buffer is shorter than its rows");
+            got++;
+            goto done;
+        }
+    }
+    if (PyObject_GetBuffer(scalar_obj, &scalars, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (scalar_size && (uint64_t)scalars.len / scalar_size < (uint64_t)hi) {
+        PyErr_SetString(PyExc_ValueError, "fill: the scalar staging buffer is shorter than its rows");
+        goto done;
+    }
+    /* The plan must describe values that hold every field it copies (Layout checks it; checked again). */
+    uint64_t end = 24 + struct_size;
+    for (Py_ssize_t f = 0; f < nfields; f++) {
+        if (pos[f] != end) goto bad_plan;
+        end += nbytes[f];
+    }
+    if (end != value_size || scalars_at + scalar_size > value_size || key.len + 25 > (Py_ssize_t)value_size) {
+    bad_plan:
+        PyErr_SetString(PyExc_ValueError, "fill: the plan's fields do not tile its value");
+        goto done;
+    }
+    ok = 1;
+done:
+    if (!ok) {
+        for (Py_ssize_t f = 0; f < got; f++) PyBuffer_Release(&out[f]);
+        if (scalars.obj) PyBuffer_Release(&scalars);
+        PyBuffer_Release(&key);
+        return NULL;
+    }
+    const uint8_t *spans = (const uint8_t *)PyByteArray_AS_STRING(blob);
+    int status = FILL_OK;
+    Py_ssize_t j;
+    Py_BEGIN_ALLOW_THREADS
+    for (j = lo; j < hi; j++) {
+        const uint8_t *rec = spans + j * SPAN;
+        uint64_t offset = le64(rec), size = le64(rec + 8), index = le64(rec + 16);
+        int check = rec[24];
+        if (offset > m.len || size > m.len - offset) {
+            status = FILL_SPAN;
+            break;
+        }
+        const uint8_t *v = m.base + offset;
+        /* Header: "LMC\x02", u32 structure size, u64 structure and data checksums; then 0xC1 and the
+         * signature (u16 length + bytes): the plan's key. Another form: the caller's other path. */
+        if (size < 27 || memcmp(v, "LMC\x02", 4) || v[24] != 0xC1 || (uint64_t)le16(v + 25) + 2 != (uint64_t)key.len ||
+            size < 25 + (uint64_t)key.len || memcmp(v + 25, key.buf, (size_t)key.len)) {
+            status = FILL_OTHER;
+            break;
+        }
+        uint64_t ssize = le32(v + 4);
+        uint64_t hashed = 24 + ssize < size ? ssize : size - 24; /* as Python slices mv[24:24 + size] */
+        if (xxh3_64(v + 24, hashed, index) != le64(v + 8)) {
+            status = FILL_STRUCTURE;
+            break;
+        }
+        if (ssize != struct_size || size != value_size) {
+            status = FILL_LENGTHS;
+            break;
+        }
+        uint64_t digest = index;
+        for (Py_ssize_t f = 0; f < nfields; f++) {
+            uint8_t *row = (uint8_t *)out[f].buf + (uint64_t)j * nbytes[f];
+            memcpy(row, v + pos[f], nbytes[f]);
+            if (check) digest = xxh3_64(row, nbytes[f], digest); /* over the copy: what the batch holds */
+        }
+        if (check && digest != le64(v + 16)) {
+            status = FILL_DATA;
+            break;
+        }
+        if (scalar_size) memcpy((uint8_t *)scalars.buf + (uint64_t)j * scalar_size, v + scalars_at, scalar_size);
+    }
+    Py_END_ALLOW_THREADS
+    for (Py_ssize_t f = 0; f < nfields; f++) PyBuffer_Release(&out[f]);
+    PyBuffer_Release(&scalars);
+    PyBuffer_Release(&key);
+    return Py_BuildValue("in", status, status ? j : (Py_ssize_t)0);
+}
+
+PyDoc_STRVAR(py_mark_verified_doc,
+             "mark_verified(verified, spans, big, /) -> None\n\n"
+             "For each span with check set whose index is inside ``verified`` (a bytearray), set its byte:\n"
+             "2 for a value of ``big`` bytes or more, else 1 (lmdbcache._read._mark).");
+
+static PyObject *py_mark_verified(PyObject *self, PyObject *args) {
+    PyObject *verified, *blob;
+    unsigned long long big;
+    if (!PyArg_ParseTuple(args, "O!O!K:mark_verified", &PyByteArray_Type, &verified, &PyByteArray_Type, &blob, &big))
+        return NULL;
+    uint8_t *flags = (uint8_t *)PyByteArray_AS_STRING(verified);
+    uint64_t nflags = (uint64_t)PyByteArray_GET_SIZE(verified);
+    const uint8_t *spans = (const uint8_t *)PyByteArray_AS_STRING(blob);
+    Py_ssize_t n = PyByteArray_GET_SIZE(blob) / SPAN;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        const uint8_t *rec = spans + k * SPAN;
+        uint64_t index = le64(rec + 16);
+        if (rec[24] && index < nflags) flags[index] = le64(rec + 8) >= big ? 2 : 1;
+    }
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------------------------------
  * The module. */
 
 /* Bumped whenever the Python side's expectations of this module change. */
@@ -549,6 +802,9 @@ static PyMethodDef core_methods[] = {
     {"xxh3_64", (PyCFunction)(void (*)(void))py_xxh3_64, METH_FASTCALL, py_xxh3_64_doc},
     {"open_tree", py_open_tree, METH_VARARGS, py_open_tree_doc},
     {"locate", py_locate, METH_VARARGS, py_locate_doc},
+    {"locate_batch", py_locate_batch, METH_VARARGS, py_locate_batch_doc},
+    {"fill", py_fill, METH_VARARGS, py_fill_doc},
+    {"mark_verified", py_mark_verified, METH_VARARGS, py_mark_verified_doc},
     {NULL, NULL, 0, NULL},
 };
 
