@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: install ci test stress demo lint bench clean native-asan fuzz
+.PHONY: install ci test test-pure stress demo lint bench clean native-asan fuzz
 
 $(STAMP): pyproject.toml setup.py lmdbcache/_native/_core.c Makefile
 	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
@@ -31,6 +31,10 @@ ci: lint test
 # tests/stress runs here in its short form; `make stress` runs it long (minutes).
 test: install
 	$(PY) -m pytest -q
+
+# The same tests on the pure-Python path (the compiled core switched off, as when it cannot be built).
+test-pure: install
+	LMDBCACHE_PURE_PYTHON=1 $(PY) -m pytest -q
 
 stress: install
 	LMDBCACHE_STRESS=1 $(PY) -m pytest tests/stress -q -s

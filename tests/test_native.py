@@ -22,7 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from xxhash import xxh3_64_intdigest
 
-from lmdbcache import CachedDataset, CorruptSampleError, LmdbCacheError, _native
+from lmdbcache import CachedDataset, CorruptSampleError, LmdbCacheError, _native, codec
+from lmdbcache._gather import Buffers, Layout
 from lmdbcache._guard import MapGuard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -244,7 +245,8 @@ def test_open_tree_needs_the_snapshots_meta(env_path: str) -> None:
 _DAMAGE_CHILD = r"""
 import ctypes, os, random, shutil, struct, sys
 import lmdb
-from lmdbcache import CachedDataset, CorruptSampleError, LmdbCacheError, _native
+from lmdbcache import CachedDataset, CorruptSampleError, LmdbCacheError, _native, codec
+from lmdbcache._gather import Buffers, Layout
 from lmdbcache._guard import MapGuard
 from lmdbcache._guard import MapGuard
 core = _native.core
@@ -635,3 +637,62 @@ def test_close_from_another_thread_during_batches(tmp_path: Any) -> None:
         t.join()
     assert not [e for e in errors if not isinstance(e, LmdbCacheError)], errors
     ds.close()
+
+
+# ----------------------------------------------------------------------------------------
+# fill() on its own: what it refuses before releasing the GIL, and each failing row's status
+
+
+def _one_value(index: int = 7) -> tuple[bytes, Layout, Buffers]:
+    value = codec.encode((_tensor(index, "int16", (3, 4)), index, 0.25, True), index)
+    layout = Layout(bytes(value[25 : 27 + struct.unpack_from("<H", value, 25)[0]]))
+    return value, layout, Buffers(layout, 2)
+
+
+def _fill(value: bytes, buffers: Buffers, plan: Any = None, rows: int = 1, index: int = 7) -> tuple[int, int]:
+    mapped = ctypes.create_string_buffer(value, len(value))
+    blob = bytearray(struct.pack("<QQQB7x", 0, len(value), index, 1) * rows)
+    plan = buffers.layout.native_plan if plan is None else plan
+    return core.fill(ctypes.addressof(mapped), len(value), blob, 0, rows, plan, buffers.flat, buffers.scalar_view)
+
+
+@needs_core
+def test_fill_copies_and_reports_each_failure() -> None:
+    """fill copies a sound value into row 0 and names each damaged row's failure by its status."""
+    value, _, buffers = _one_value()
+    assert _fill(value, buffers) == (0, 0)
+    got = buffers.batch(1)
+    assert torch.equal(got[0][0], _tensor(7, "int16", (3, 4))) and got[1].tolist() == [7] and got[3].tolist() == [True]
+    assert _fill(value, buffers, index=8)[0] == 2  # another index: the structure checksum is seeded with it
+    damaged = bytearray(value)
+    damaged[-1] ^= 1
+    assert _fill(bytes(damaged), buffers) == (4, 0)  # data checksum (check flag set)
+    other = codec.encode((_tensor(7, "int16", (3, 5)), 7, 0.25, True), 7)
+    assert _fill(other, buffers)[0] == 1  # another signature: not handled, not an error
+    assert _fill(b"LMC", buffers)[0] == 1  # too short to hold a header
+
+
+@needs_core
+def test_fill_refuses_bad_arguments_before_copying() -> None:
+    """Short destination buffers, a plan whose fields do not tile its value (also by wraparound) and rows past
+    the spans raise ValueError, before anything is copied."""
+    value, layout, buffers = _one_value()
+    with pytest.raises(ValueError):
+        _fill(value, buffers, rows=3)  # the buffers hold 2 rows
+    key, struct_size, value_size, scalars_at, scalar_size, fields = layout.native_plan
+    bad_plans = [
+        (key, struct_size, value_size + 1, scalars_at, scalar_size, fields),
+        (key, struct_size, value_size, value_size, scalar_size, fields),
+        (key, struct_size, value_size, scalars_at, scalar_size, ((fields[0][0] + 1, fields[0][1]),)),
+        (key, struct_size, value_size, scalars_at, scalar_size, ((fields[0][0], 2**64 - 8),)),
+        (key, 2**64 - 20, value_size, scalars_at, scalar_size, fields),
+    ]
+    for plan in bad_plans:
+        with pytest.raises((ValueError, OverflowError)):
+            _fill(value, buffers, plan=plan)
+    mapped = ctypes.create_string_buffer(value, len(value))
+    at, plan = ctypes.addressof(mapped), layout.native_plan
+    blob = bytearray(struct.pack("<QQQB7x", 0, len(value), 7, 1))
+    with pytest.raises(ValueError):
+        core.fill(at, len(value), blob, 0, 2, plan, buffers.flat, buffers.scalar_view)  # 2 rows, 1 span
+    assert core.fill(at, len(value) - 1, blob, 0, 1, plan, buffers.flat, buffers.scalar_view) == (5, 0)

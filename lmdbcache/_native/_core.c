@@ -703,13 +703,15 @@ static PyObject *py_fill(PyObject *self, PyObject *args) {
         goto done;
     }
     /* The plan must describe values that hold every field it copies (Layout checks it; checked again). */
+    /* Every sum is kept below value_size as it grows (no wraparound), so every copy stays in the value. */
+    int tiled = value_size >= 24 && struct_size <= value_size - 24;
     uint64_t end = 24 + struct_size;
-    for (Py_ssize_t f = 0; f < nfields; f++) {
-        if (pos[f] != end) goto bad_plan;
+    for (Py_ssize_t f = 0; f < nfields && tiled; f++) {
+        tiled = pos[f] == end && nbytes[f] <= value_size - end;
         end += nbytes[f];
     }
-    if (end != value_size || scalars_at + scalar_size > value_size || key.len + 25 > (Py_ssize_t)value_size) {
-    bad_plan:
+    if (!tiled || end != value_size || scalar_size > value_size || scalars_at > value_size - scalar_size ||
+        (uint64_t)key.len + 25 > value_size) {
         PyErr_SetString(PyExc_ValueError, "fill: the plan's fields do not tile its value");
         goto done;
     }
