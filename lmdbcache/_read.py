@@ -356,7 +356,17 @@ class ReadPath(Handle):
             k = -1
             if code == _native.OK:
                 code, k, blob = core.locate_batch(
-                    base, length, psize, root, depth, indices, self._pack, self._length, self._verified, always
+                    base,
+                    length,
+                    psize,
+                    root,
+                    depth,
+                    indices,
+                    self._pack,
+                    self._length,
+                    self._verified,
+                    always,
+                    PREFETCH_MIN,
                 )
                 if code == _native.OK:
                     return Spans(base, length, view, blob)

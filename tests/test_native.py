@@ -696,3 +696,37 @@ def test_fill_refuses_bad_arguments_before_copying() -> None:
     with pytest.raises(ValueError):
         core.fill(at, len(value), blob, 0, 2, plan, buffers.flat, buffers.scalar_view)  # 2 rows, 1 span
     assert core.fill(at, len(value) - 1, blob, 0, 1, plan, buffers.flat, buffers.scalar_view) == (5, 0)
+
+
+@needs_core
+def test_locate_batch_equals_locate_cold_and_warm(env_path: str) -> None:
+    """locate_batch finds what locate finds, with the cold-value advice on (file pages dropped first) and off."""
+    rng = random.Random(9)
+    env = lmdb.open(env_path, max_dbs=4, map_size=1 << 26, readahead=False)
+    try:
+        db = env.open_db(b"samples")
+        with env.begin(write=True) as txn:
+            for i in range(600):
+                txn.put(_KEY(i), _value_for(i, rng), db=db)
+        base, length, _ = MapGuard(os.path.join(env_path, "data.mdb"), 4096).mapping()
+        indices = rng.sample(range(600), 600)
+        with env.begin(buffers=True) as txn:
+            code, root, depth = core.open_tree(base, length, 4096, txn.id(), b"samples")
+            assert code == 0
+            want = [core.locate(base, length, 4096, root, depth, _KEY(i))[1:] for i in indices]
+            fd = os.open(os.path.join(env_path, "data.mdb"), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold: the advice is given
+            finally:
+                os.close(fd)
+            for advise in (16384, 0):
+                code, k, blob = core.locate_batch(base, length, 4096, root, depth, indices, 0, 600, None, False, advise)
+                assert code == 0
+                got = [struct.unpack_from("<QQQB", blob, 32 * j) for j in range(len(indices))]
+                assert [(o, s) for o, s, _, _ in got] == want
+                assert [i for _, _, i, _ in got] == indices and all(check for *_, check in got)
+                assert all(ctypes.string_at(base + o, s) == bytes(txn.get(_KEY(i), db=db)) for o, s, i, _ in got)
+            code, k, _ = core.locate_batch(base, length, 4096, root, depth, [5, 10**6], 0, 600, None, False)
+            assert (code, k) == (_native.NOTFOUND, 1)
+    finally:
+        env.close()

@@ -41,8 +41,10 @@ __all__ = ["NATIVE", "core"]
 
 
 def _load() -> ModuleType | None:
-    if os.environ.get("LMDBCACHE_PURE_PYTHON", "") not in ("", "0") or sys.byteorder != "little":
-        return None  # forced, or a machine whose byte order the core does not read LMDB's pages in
+    if os.environ.get("LMDBCACHE_PURE_PYTHON", "") not in ("", "0"):
+        return None
+    if sys.byteorder != "little" or sys.maxsize <= 2**32:
+        return None  # the core reads LMDB's pages as a little-endian 64-bit build writes them
     try:
         module = importlib.import_module(__name__ + "._core")
     except ImportError as exc:

@@ -11,6 +11,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#define HAVE_ADVICE 1
+#endif
+
 /* ------------------------------------------------------------------------------------------
  * XXH3-64, written from the published specification (xxHash's doc/xxhash_spec.md, "XXH3
  * algorithm"): the codec's structure and data checksums (``xxhash.xxh3_64_intdigest``).
@@ -566,6 +572,23 @@ static int pack_value(const Map *m, uint64_t offset, uint64_t size, uint64_t j, 
     return LK_OK;
 }
 
+/* The OS page size (set at import), for the advice below. */
+static long os_page = 0;
+
+/* A large value whose first page is not in memory is announced to the kernel (MADV_WILLNEED) before it is
+ * copied: one read for all of it instead of a page fault per page, since the map is opened without readahead
+ * (issue #14, lmdbcache/_guard.py). mincore() of one page tells cold from warm: a warm value costs that one
+ * syscall, never the advice's walk over its cached pages. Only advice: nothing is touched, failures are ignored. */
+static void advise_if_cold(const Map *m, uint64_t offset, uint64_t size) {
+#ifdef HAVE_ADVICE
+    if (os_page <= 0) return;
+    uintptr_t start = (uintptr_t)(m->base + offset), first = start - start % (uintptr_t)os_page;
+    unsigned char resident = 0;
+    if (mincore((void *)first, (size_t)os_page, &resident) == 0 && (resident & 1)) return;
+    madvise((void *)first, (size_t)(start + size - first), MADV_WILLNEED); /* the map is page-aligned: first >= base */
+#endif
+}
+
 /* Locate one index as ReadPath._fetch does: (packs on) its value in its chunk's pack, else its single record. */
 static int locate_index(const Map *m, uint64_t root, unsigned depth, uint64_t index, uint64_t pack,
                         uint64_t length, uint64_t *offset, uint64_t *size) {
@@ -591,22 +614,24 @@ static int locate_index(const Map *m, uint64_t root, unsigned depth, uint64_t in
 }
 
 PyDoc_STRVAR(py_locate_batch_doc,
-             "locate_batch(base, length, psize, root, depth, indices, pack, dataset_length, verified, always, /)\n"
-             "-> (code, k, spans)\n\n"
+             "locate_batch(base, length, psize, root, depth, indices, pack, dataset_length, verified, always,\n"
+             "             advise_min=0, /) -> (code, k, spans)\n\n"
              "Locate every index of ``indices`` (a list of ints) as locate() does, in a pack of ``pack`` values\n"
              "when its single record is absent (pack > 0). ``spans`` is a bytearray of 32-byte records (u64\n"
              "offset, u64 size, u64 index, u8 check): check is set where the data checksum must be verified\n"
              "(``always``, ``verified`` None, past its end, or its byte 0). code 0: all found; else the code\n"
-             "(NOTFOUND or an error) of indices[k], the first that failed.");
+             "(NOTFOUND or an error) of indices[k], the first that failed. A value of advise_min bytes or more\n"
+             "(0: none) whose first page is not in memory is announced to the kernel before it is read.");
 
 static PyObject *py_locate_batch(PyObject *self, PyObject *args) {
     unsigned long long base, len, psize, root, pack, length;
     unsigned int depth;
+    unsigned long long advise_min = 0;
     PyObject *indices, *verified;
     int always;
     Map m;
-    if (!PyArg_ParseTuple(args, "KKKKIO!KKOp:locate_batch", &base, &len, &psize, &root, &depth, &PyList_Type,
-                          &indices, &pack, &length, &verified, &always))
+    if (!PyArg_ParseTuple(args, "KKKKIO!KKOp|K:locate_batch", &base, &len, &psize, &root, &depth, &PyList_Type,
+                          &indices, &pack, &length, &verified, &always, &advise_min))
         return NULL;
     if (map_from(&m, base, len, psize) < 0) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(indices);
@@ -637,6 +662,7 @@ static PyObject *py_locate_batch(PyObject *self, PyObject *args) {
         memcpy(&index, rec + 16, 8);
         rc = locate_index(&m, root, depth, index, pack, length, &offset, &size);
         if (rc) break;
+        if (advise_min && size >= advise_min) advise_if_cold(&m, offset, size);
         memcpy(rec, &offset, 8);
         memcpy(rec + 8, &size, 8);
         rec[24] = always || !have_verified || index >= (uint64_t)vb.len || !((const uint8_t *)vb.buf)[index];
@@ -821,6 +847,9 @@ static struct PyModuleDef core_module = {
 PyMODINIT_FUNC PyInit__core(void) {
     PyObject *m = PyModule_Create(&core_module);
     if (m == NULL) return NULL;
+#ifdef HAVE_ADVICE
+    os_page = sysconf(_SC_PAGESIZE);
+#endif
     if (PyModule_AddIntConstant(m, "VERSION", CORE_VERSION) < 0 || PyModule_AddIntConstant(m, "OK", LK_OK) < 0 ||
         PyModule_AddIntConstant(m, "NOTFOUND", LK_NOTFOUND) < 0 || PyModule_AddIntConstant(m, "RETRY", LK_RETRY) < 0) {
         Py_DECREF(m);
