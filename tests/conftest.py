@@ -39,3 +39,15 @@ def pytest_sessionstart(session):
     """Mounts left by an interrupted run must not break this session's clean-up of old temp dirs."""
     if os.geteuid() == 0:
         unmount_leftovers(os.path.join(tempfile.gettempdir(), f"pytest-of-{getpass.getuser()}"))
+
+
+@pytest.fixture(params=["native", "python"])
+def read_path(request, monkeypatch):
+    """The loader's batch path: the compiled core (skipped when it is not built) or the pure-Python reference."""
+    from lmdbcache import _native
+
+    if request.param == "native" and _native.core is None:
+        pytest.skip("the compiled core is not built (or LMDBCACHE_PURE_PYTHON=1)")
+    if request.param == "python":
+        monkeypatch.setattr(_native, "core", None)
+    return request.param

@@ -64,7 +64,7 @@ KINDS = {
 
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize(("shuffle", "drop_last"), [(False, False), (True, False), (True, True)])
-def test_batches_equal_dataloader(cache_dir, kind, shuffle, drop_last, copies):
+def test_batches_equal_dataloader(cache_dir, kind, shuffle, drop_last, copies, read_path):
     """Every batch equals DataLoader+default_collate's with the same generator seed (partial last batch, drop_last)."""
     ds = warm(CachedDataset(KINDS[kind](), cache_dir))
     with ds.loader(16, shuffle=shuffle, drop_last=drop_last, seed=5) as loader:
@@ -347,7 +347,7 @@ def damage_in_place(path, index):
 
 @pytest.mark.parametrize("checksum", ["once", "always"])
 @pytest.mark.parametrize(("what", "at"), [("data", -1), ("structure", 30), ("header", 10)])
-def test_a_damaged_value_raises_what_the_dataset_raises(cache_dir, checksum, what, at, copies):
+def test_a_damaged_value_raises_what_the_dataset_raises(cache_dir, checksum, what, at, copies, read_path):
     """A damaged value raises CorruptSampleError with the dataset's message; no batch holding it is yielded."""
     warm(CachedDataset(Synthetic(24), cache_dir)).close()
     damage(cache_dir, 13, at)
@@ -361,7 +361,7 @@ def test_a_damaged_value_raises_what_the_dataset_raises(cache_dir, checksum, wha
     assert "index 13" in str(raised.value)
 
 
-def test_always_verifies_data_already_read(cache_dir):
+def test_always_verifies_data_already_read(cache_dir, read_path):
     """checksum='always': a value damaged after the loader read it once is refused on the next read."""
     warm(CachedDataset(Synthetic(16), cache_dir)).close()
     ds = CachedDataset.open(cache_dir, checksum="always")
@@ -372,7 +372,7 @@ def test_always_verifies_data_already_read(cache_dir):
         list(ds.loader(8))
 
 
-def test_a_value_under_another_key_is_refused(cache_dir):
+def test_a_value_under_another_key_is_refused(cache_dir, read_path):
     """Index 3's value stored under index 5 is damage, not index 3's sample."""
     warm(CachedDataset(Synthetic(10), cache_dir)).close()
     with raw_cache(cache_dir) as (txn, samples, _):

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import xxhash
 
+from .._native.batch import FILL_REASONS, Spans
 from ..errors import CorruptSampleError
 from ..format._decode import flat_plan
 from ..format._format import HEAD_AND_FLAT, MAGIC
@@ -82,6 +83,9 @@ class Layout:
         if order is None:
             order = tuple(range(len(tensors))) + tuple(~k for k in range(len(codes)))
         self.order: tuple[int, ...] = tuple(order)
+        # What lmdbcache._native's fill needs of this layout (see core.fill)
+        self.native_plan = (key, self.struct_size, self.value_size, self.scalars_at, self.scalar_size,
+                            tuple((pos, nbytes) for pos, nbytes, _, _, _ in self.tensors))  # fmt: skip
 
     def allocate(self, rows: int, memory: str = "plain") -> Buffers:
         return Buffers(self, rows, memory)
@@ -141,7 +145,8 @@ class Buffers:
         self.flat = [memoryview(t.numpy()).cast("B") for t in self.tensors]  # type: ignore[arg-type]
         self.addresses = [t.data_ptr() for t in self.tensors]
         self.scalars = np.zeros((rows, layout.scalar_size), np.uint8)
-        self.scalar_view = memoryview(self.scalars).cast("B")  # type: ignore[arg-type]
+        # No scalar field (a 1-tuple of a tensor): numpy's (rows, 0) array cannot be cast to bytes; nothing is copied
+        self.scalar_view = memoryview(self.scalars).cast("B") if layout.scalar_size else memoryview(bytearray())  # type: ignore[arg-type]
         # The scalar columns' batch tensors live in the slot too: no tensor is allocated per batch.
         self.column_arrays = [c.numpy() for c in self.columns]
         self.busy = False
@@ -181,8 +186,13 @@ class Buffers:
         """Unused, and the consumer's device copies of its last batch (``event``) are done."""
         return self.unused() and (self.event is None or bool(self.event.query()))
 
-    def fill(self, views: list[Any], checks: list[bool], indices: list[int], lo: int, hi: int) -> bool:
+    def fill(self, views: Any, checks: Any, indices: list[int], lo: int, hi: int) -> bool:
         """Copy values ``lo:hi`` into rows ``lo:hi``; False if one is not in this layout (nothing is wrong yet)."""
+        if type(views) is Spans:  # located by the compiled core: one call copies the slice, the GIL released
+            status, row = views.fill(self.layout.native_plan, self.flat, self.scalar_view, lo, hi)
+            if status > 1:
+                raise _corrupt(indices[row], FILL_REASONS[status])
+            return status == 0
         layout = self.layout
         key, klen, value_size, struct_size = layout.key, len(layout.key), layout.value_size, layout.struct_size
         at, ssize = layout.scalars_at, layout.scalar_size

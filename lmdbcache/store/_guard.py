@@ -158,6 +158,12 @@ class MapGuard:
         else:
             self.start, self.file_size = start, size
 
+    def mapping(self) -> tuple[int, int, memoryview]:
+        """(address, readable bytes, a view of them) of the file's mapping as last found (0, 0 and an empty view
+        when unknown): the native reader's bounds (``lmdbcache._native``); it refreshes and asks again when a
+        lookup fails."""
+        return self._mapped
+
     def problem(self, key: bytes | memoryview, prefetch: bool = True) -> str | None:
         """Why the record whose key (a view into the map) is ``key`` cannot be read safely, or None.
 

@@ -30,15 +30,16 @@ from typing import Any
 
 import lmdb
 
+from .. import _native
 from ..errors import CorruptCacheError, CorruptSampleError, LmdbCacheError
 from ..format import _pack, codec
 from ._guard import PREFETCH_MIN
 from ._handle import Handle
 from ._lmdb_errors import REBUILD, translate
+from ._native_read import MISSING, copy_native, native_spans
 
 __all__ = ["MISSING", "ReadPath"]
 
-MISSING: Any = type("Missing", (), {"__repr__": lambda self: "MISSING"})()
 
 _KEY = struct.Struct(">Q").pack
 _UNKEY = struct.Struct(">Q").unpack
@@ -295,7 +296,12 @@ class ReadPath(Handle):
             if build is not None and build != self.build:
                 raise self.mismatch(build)
             txn = self._reader()
-            value, verified = self._value, self._verified
+            verified = self._verified
+            if _native.core is not None and (spans := native_spans(self, txn, indices, always)) is not None:
+                if spans is MISSING:
+                    return MISSING
+                return copy_native(self, spans, copy, verified)
+            value = self._value
             views: list[Any] = []
             checks: list[bool] = []
             sizes: list[int] = []

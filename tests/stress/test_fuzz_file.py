@@ -48,6 +48,7 @@ import pytest
 import torch
 from conftest import STRESS, scaled
 from helpers import Listed, assert_same, sample_for
+from torch.utils.data._utils.collate import default_collate
 
 import lmdbcache
 from lmdbcache import CachedDataset, LmdbCacheError, tools
@@ -248,6 +249,14 @@ def read_back(path: Path, samples: list[Any], note: Callable[..., None]) -> None
         if ok:
             for i, got in enumerate(batch):
                 check(f"__getitems__[{i}]", got, i)
+        # The loader's batch path (the compiled core's, when it is built): one sample a batch, as the samples
+        # differ, over the samples default_collate can batch.
+        wanted = {i: want for i in range(N) if (want := _collated(samples[i])) is not None}
+        ok, batches = attempt("loader", lambda: list(ds.loader(1, sampler=list(wanted))))
+        if ok:
+            for i, got in zip(wanted, batches):
+                if not same(got, wanted[i]):
+                    note(f"loader[{i}]", "wrong", f"returned {repr(got)[:120]}")
         ok, count = attempt("cached_count", lambda: ds.cached_count)
         if ok and not (type(count) is int and 0 <= count <= N):
             note("cached_count", "wrong", f"{count!r} for a cache of length {N}")
@@ -261,6 +270,14 @@ def read_back(path: Path, samples: list[Any], note: Callable[..., None]) -> None
             bad["cached"] = cached
         if bad:
             note("tools.info", "wrong", f"returned {bad}")
+
+
+def _collated(sample: Any) -> Any:
+    """``default_collate([sample])``, or None for a sample it cannot batch (None, bytes)."""
+    try:
+        return default_collate([sample])
+    except TypeError:
+        return None
 
 
 def same(a: Any, b: Any) -> bool:

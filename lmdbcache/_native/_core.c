@@ -1,0 +1,859 @@
+/* lmdbcache._native._core: the compiled core of lmdbcache's read path (issue #24).
+ *
+ * Plain C11 against the CPython C API and the buffer protocol; no third-party source.
+ * Everything read from a cache file is untrusted: every offset and length is checked
+ * against the mapped length before the byte it names is read, and failures come back
+ * as error codes that lmdbcache/_native turns into the library's exceptions.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#define HAVE_ADVICE 1
+#endif
+
+/* ------------------------------------------------------------------------------------------
+ * XXH3-64, written from the published specification (xxHash's doc/xxhash_spec.md, "XXH3
+ * algorithm"): the codec's structure and data checksums (``xxhash.xxh3_64_intdigest``).
+ * Checked against the xxhash package on every length 0..2000 and larger ones (tests/test_native.py).
+ */
+
+#define P32_1 0x9E3779B1U
+#define P32_2 0x85EBCA77U
+#define P32_3 0xC2B2AE3DU
+#define P64_1 0x9E3779B185EBCA87ULL
+#define P64_2 0xC2B2AE3D27D4EB4FULL
+#define P64_3 0x165667B19E3779F9ULL
+#define P64_4 0x85EBCA77C2B2AE63ULL
+#define P64_5 0x27D4EB2F165667C5ULL
+#define PMX_1 0x165667919E3779F9ULL
+#define PMX_2 0x9FB21C651E98DF25ULL
+
+#define SECRET_SIZE 192
+#define STRIPE 64
+#define MIDSIZE_MAX 240
+
+/* The specification's default secret ("kSecret"). */
+static const uint8_t K_SECRET[SECRET_SIZE] = {
+    0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad, 0x1c,
+    0xde, 0xd4, 0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb, 0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3, 0x67, 0x1f,
+    0xcb, 0x79, 0xe6, 0x4e, 0xcc, 0xc0, 0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc, 0xff, 0x72, 0x21,
+    0xb8, 0x08, 0x46, 0x74, 0xf7, 0x43, 0x24, 0x8e, 0xe0, 0x35, 0x90, 0xe6, 0x81, 0x3a, 0x26, 0x4c,
+    0x3c, 0x28, 0x52, 0xbb, 0x91, 0xc3, 0x00, 0xcb, 0x88, 0xd0, 0x65, 0x8b, 0x1b, 0x53, 0x2e, 0xa3,
+    0x71, 0x64, 0x48, 0x97, 0xa2, 0x0d, 0xf9, 0x4e, 0x38, 0x19, 0xef, 0x46, 0xa9, 0xde, 0xac, 0xd8,
+    0xa8, 0xfa, 0x76, 0x3f, 0xe3, 0x9c, 0x34, 0x3f, 0xf9, 0xdc, 0xbb, 0xc7, 0xc7, 0x0b, 0x4f, 0x1d,
+    0x8a, 0x51, 0xe0, 0x4b, 0xcd, 0xb4, 0x59, 0x31, 0xc8, 0x9f, 0x7e, 0xc9, 0xd9, 0x78, 0x73, 0x64,
+    0xea, 0xc5, 0xac, 0x83, 0x34, 0xd3, 0xeb, 0xc3, 0xc5, 0x81, 0xa0, 0xff, 0xfa, 0x13, 0x63, 0xeb,
+    0x17, 0x0d, 0xdd, 0x51, 0xb7, 0xf0, 0xda, 0x49, 0xd3, 0x16, 0x55, 0x26, 0x29, 0xd4, 0x68, 0x9e,
+    0x2b, 0x16, 0xbe, 0x58, 0x7d, 0x47, 0xa1, 0xfc, 0x8f, 0xf8, 0xb8, 0xd1, 0x7a, 0xd0, 0x31, 0xce,
+    0x45, 0xcb, 0x3a, 0x8f, 0x95, 0x16, 0x04, 0x28, 0xaf, 0xd7, 0xfb, 0xca, 0xbb, 0x4b, 0x40, 0x7e,
+};
+
+/* Little-endian loads that are correct on any byte order and alignment (memcpy compiles to one load). */
+static inline uint32_t le32(const uint8_t *p) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+#else
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+#endif
+}
+
+static inline uint64_t le64(const uint8_t *p) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+#else
+    return (uint64_t)le32(p) | (uint64_t)le32(p + 4) << 32;
+#endif
+}
+
+static inline void put_le64(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static inline uint64_t rotl64(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+
+static inline uint32_t swap32(uint32_t x) {
+    return (x << 24) | ((x << 8) & 0x00ff0000U) | ((x >> 8) & 0x0000ff00U) | (x >> 24);
+}
+
+static inline uint64_t swap64(uint64_t x) { return (uint64_t)swap32((uint32_t)x) << 32 | swap32((uint32_t)(x >> 32)); }
+
+/* The 128-bit product of two u64, its halves xored ("fold"). */
+static inline uint64_t mul128_fold64(uint64_t a, uint64_t b) {
+#if defined(__SIZEOF_INT128__)
+    unsigned __int128 p = (unsigned __int128)a * b;
+    return (uint64_t)p ^ (uint64_t)(p >> 64);
+#else
+    uint64_t lo_lo = (a & 0xFFFFFFFFULL) * (b & 0xFFFFFFFFULL);
+    uint64_t hi_lo = (a >> 32) * (b & 0xFFFFFFFFULL);
+    uint64_t lo_hi = (a & 0xFFFFFFFFULL) * (b >> 32);
+    uint64_t hi_hi = (a >> 32) * (b >> 32);
+    uint64_t cross = (lo_lo >> 32) + (hi_lo & 0xFFFFFFFFULL) + lo_hi;
+    uint64_t upper = (hi_lo >> 32) + (cross >> 32) + hi_hi;
+    uint64_t lower = (cross << 32) | (lo_lo & 0xFFFFFFFFULL);
+    return lower ^ upper;
+#endif
+}
+
+static inline uint64_t xxh64_avalanche(uint64_t h) {
+    h ^= h >> 33;
+    h *= P64_2;
+    h ^= h >> 29;
+    h *= P64_3;
+    return h ^ (h >> 32);
+}
+
+static inline uint64_t xxh3_avalanche(uint64_t h) {
+    h ^= h >> 37;
+    h *= PMX_1;
+    return h ^ (h >> 32);
+}
+
+static inline uint64_t rrmxmx(uint64_t h, uint64_t len) {
+    h ^= rotl64(h, 49) ^ rotl64(h, 24);
+    h *= PMX_2;
+    h ^= (h >> 35) + len;
+    h *= PMX_2;
+    return h ^ (h >> 28);
+}
+
+static inline uint64_t mix16(const uint8_t *in, const uint8_t *sec, uint64_t seed) {
+    return mul128_fold64(le64(in) ^ (le64(sec) + seed), le64(in + 8) ^ (le64(sec + 8) - seed));
+}
+
+/* Inputs of 0 to 16 bytes: four cases, each keyed by a different part of the secret. */
+static uint64_t xxh3_0to16(const uint8_t *in, size_t len, const uint8_t *sec, uint64_t seed) {
+    if (len > 8) {
+        uint64_t lo = le64(in) ^ ((le64(sec + 24) ^ le64(sec + 32)) + seed);
+        uint64_t hi = le64(in + len - 8) ^ ((le64(sec + 40) ^ le64(sec + 48)) - seed);
+        return xxh3_avalanche(len + swap64(lo) + hi + mul128_fold64(lo, hi));
+    }
+    if (len >= 4) {
+        seed ^= (uint64_t)swap32((uint32_t)seed) << 32;
+        uint64_t joined = le32(in + len - 4) + ((uint64_t)le32(in) << 32);
+        return rrmxmx(joined ^ ((le64(sec + 8) ^ le64(sec + 16)) - seed), len);
+    }
+    if (len > 0) {
+        uint32_t combined = (uint32_t)in[0] << 16 | (uint32_t)in[len >> 1] << 24 | (uint32_t)in[len - 1] |
+                            (uint32_t)len << 8;
+        return xxh64_avalanche((uint64_t)combined ^ ((uint64_t)(le32(sec) ^ le32(sec + 4)) + seed));
+    }
+    return xxh64_avalanche(seed ^ le64(sec + 56) ^ le64(sec + 64));
+}
+
+/* 17 to 128 bytes: pairs of 16-byte blocks from both ends, working inwards. */
+static uint64_t xxh3_17to128(const uint8_t *in, size_t len, const uint8_t *sec, uint64_t seed) {
+    uint64_t acc = len * P64_1;
+    if (len > 32) {
+        if (len > 64) {
+            if (len > 96) {
+                acc += mix16(in + 48, sec + 96, seed);
+                acc += mix16(in + len - 64, sec + 112, seed);
+            }
+            acc += mix16(in + 32, sec + 64, seed);
+            acc += mix16(in + len - 48, sec + 80, seed);
+        }
+        acc += mix16(in + 16, sec + 32, seed);
+        acc += mix16(in + len - 32, sec + 48, seed);
+    }
+    acc += mix16(in, sec, seed);
+    acc += mix16(in + len - 16, sec + 16, seed);
+    return xxh3_avalanche(acc);
+}
+
+/* 129 to 240 bytes: eight blocks, an avalanche, the rest at a 3-byte secret offset, then the last 16 bytes. */
+static uint64_t xxh3_129to240(const uint8_t *in, size_t len, const uint8_t *sec, uint64_t seed) {
+    uint64_t acc = len * P64_1;
+    size_t rounds = len / 16;
+    for (size_t i = 0; i < 8; i++) acc += mix16(in + 16 * i, sec + 16 * i, seed);
+    acc = xxh3_avalanche(acc);
+    for (size_t i = 8; i < rounds; i++) acc += mix16(in + 16 * i, sec + 16 * (i - 8) + 3, seed);
+    acc += mix16(in + len - 16, sec + 136 - 17, seed);
+    return xxh3_avalanche(acc);
+}
+
+/* One 64-byte stripe into the eight accumulators. */
+static inline void accumulate512(uint64_t *acc, const uint8_t *in, const uint8_t *sec) {
+    for (int i = 0; i < 8; i++) {
+        uint64_t v = le64(in + 8 * i);
+        uint64_t k = v ^ le64(sec + 8 * i);
+        acc[i ^ 1] += v;
+        acc[i] += (uint64_t)(uint32_t)k * (k >> 32);
+    }
+}
+
+static inline void scramble(uint64_t *acc, const uint8_t *sec) {
+    for (int i = 0; i < 8; i++) {
+        uint64_t a = acc[i];
+        a ^= a >> 47;
+        a ^= le64(sec + 8 * i);
+        acc[i] = a * P32_1;
+    }
+}
+
+/* Over 240 bytes: blocks of 16 stripes (the secret advancing 8 bytes a stripe), a scramble after each block,
+ * the remaining whole stripes, the input's last 64 bytes, then the accumulators merged. */
+static uint64_t xxh3_long(const uint8_t *in, size_t len, const uint8_t *sec) {
+    uint64_t acc[8] = {P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1};
+    const size_t stripes_per_block = (SECRET_SIZE - STRIPE) / 8;
+    const size_t block = STRIPE * stripes_per_block;
+    size_t blocks = (len - 1) / block;
+    for (size_t n = 0; n < blocks; n++) {
+        for (size_t s = 0; s < stripes_per_block; s++) accumulate512(acc, in + n * block + s * STRIPE, sec + s * 8);
+        scramble(acc, sec + SECRET_SIZE - STRIPE);
+    }
+    size_t stripes = ((len - 1) - block * blocks) / STRIPE;
+    for (size_t s = 0; s < stripes; s++) accumulate512(acc, in + blocks * block + s * STRIPE, sec + s * 8);
+    accumulate512(acc, in + len - STRIPE, sec + SECRET_SIZE - STRIPE - 7);
+    uint64_t result = len * P64_1;
+    for (int i = 0; i < 4; i++) {
+        const uint8_t *k = sec + 11 + 16 * i; /* the spec's merge starts 11 bytes into the secret */
+        result += mul128_fold64(acc[2 * i] ^ le64(k), acc[2 * i + 1] ^ le64(k + 8));
+    }
+    return xxh3_avalanche(result);
+}
+
+/* XXH3-64 of ``len`` bytes at ``in`` with ``seed``; touches exactly those bytes. */
+static uint64_t xxh3_64(const uint8_t *in, size_t len, uint64_t seed) {
+    if (len <= 16) return xxh3_0to16(in, len, K_SECRET, seed);
+    if (len <= 128) return xxh3_17to128(in, len, K_SECRET, seed);
+    if (len <= MIDSIZE_MAX) return xxh3_129to240(in, len, K_SECRET, seed);
+    if (seed == 0) return xxh3_long(in, len, K_SECRET);
+    /* A seeded long hash uses the default secret with the seed added to (and subtracted from) each u64 pair. */
+    uint8_t secret[SECRET_SIZE];
+    for (int i = 0; i < SECRET_SIZE / 16; i++) {
+        put_le64(secret + 16 * i, le64(K_SECRET + 16 * i) + seed);
+        put_le64(secret + 16 * i + 8, le64(K_SECRET + 16 * i + 8) - seed);
+    }
+    return xxh3_long(in, len, secret);
+}
+
+/* Bytes from which a hash releases the GIL (below, taking it back costs more than the hash). */
+#define NOGIL_MIN (64 * 1024)
+
+PyDoc_STRVAR(py_xxh3_64_doc,
+             "xxh3_64(buffer, seed=0, /) -> int\n\n"
+             "XXH3-64 of a bytes-like object: the same integer as xxhash.xxh3_64_intdigest(buffer, seed).");
+
+static PyObject *py_xxh3_64(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "xxh3_64() takes a buffer and an optional seed");
+        return NULL;
+    }
+    uint64_t seed = 0;
+    if (nargs == 2) {
+        /* Like xxhash: any int, taken modulo 2**64 (a negative seed wraps). */
+        seed = PyLong_AsUnsignedLongLongMask(args[1]);
+        if (seed == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
+    uint64_t h;
+    if (view.len >= NOGIL_MIN) {
+        Py_BEGIN_ALLOW_THREADS
+        h = xxh3_64(view.buf, (size_t)view.len, seed);
+        Py_END_ALLOW_THREADS
+    } else {
+        h = xxh3_64(view.buf, (size_t)view.len, seed);
+    }
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+/* ------------------------------------------------------------------------------------------
+ * Reading one LMDB snapshot straight from the map, every byte range checked first.
+ *
+ * The layout is LMDB 0.9's (mdb.c; data format version 1, unchanged since 2011), little-endian
+ * 64-bit builds; all of it read from the file, so all of it untrusted:
+ *
+ *   page header (16 bytes)  u64 pgno; u16 pad; u16 flags; u16 lower, u16 upper (free space bounds),
+ *                           or u32 pages (overflow pages); then u16 node offsets, (lower - 16) / 2 of them
+ *   node (8 bytes + key)    u16 lo, u16 hi, u16 flags, u16 ksize; key; then the data (leaf) -- a branch
+ *                           node's child page number is lo | hi << 16 | flags << 32, a leaf's data size
+ *                           lo | hi << 16; F_BIGDATA: the data is a u64 overflow page number, the value
+ *                           on that page after its header; F_SUBDATA: the data is a named database's MDB_db
+ *   MDB_db (48 bytes)       u32 pad; u16 flags; u16 depth; u64 branch, leaf, overflow pages; u64 entries;
+ *                           u64 root (~0: empty)
+ *   meta page (pages 0, 1)  header; u32 magic 0xBEEFC0DE; u32 version 1; u64 address; u64 mapsize;
+ *                           MDB_db free, main; u64 last page; u64 txnid (at byte 144)
+ *
+ * A named database is a record of the main database (key: its name; F_SUBDATA). Keys compare as
+ * LMDB's default: bytes, then length. A failed check returns an LK_* code and touches nothing beyond.
+ */
+
+enum {
+    LK_OK = 0,
+    LK_NOTFOUND = 1,
+    LK_RETRY = 2,     /* the meta page of this transaction was reused (two commits since): begin another */
+    LK_META = 16,     /* no sound meta page */
+    LK_PAGE = 17,     /* a page number past the end of the mapped file */
+    LK_HEADER = 18,   /* a page header that does not hold together (its own number, flags, free-space bounds) */
+    LK_NODE = 19,     /* a node offset outside its page */
+    LK_KEY = 20,      /* a key that runs past its page */
+    LK_DATA = 21,     /* inline data that runs past its page, or data of the wrong kind */
+    LK_OVERFLOW = 22, /* an overflow span past the end of the mapped file or of its pages */
+    LK_TREE = 23,     /* a tree deeper than its database says, or a branch page where a leaf belongs */
+    LK_DB = 24,       /* the named database's record is not a database LMDB would open */
+};
+
+#define PAGE_HEADER 16
+#define P_BRANCH 0x01
+#define P_LEAF 0x02
+#define P_OVERFLOW 0x04
+#define P_META 0x08
+#define P_LEAF2 0x20
+#define F_BIGDATA 0x01
+#define F_SUBDATA 0x02
+#define F_DUPDATA 0x04
+#define MDB_DUPSORT 0x04
+#define MDB_DB_SIZE 48
+#define MAX_DEPTH 32 /* LMDB's CURSOR_STACK: no sound tree is deeper */
+#define NO_ROOT UINT64_MAX
+
+static inline uint16_t le16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+
+/* The mapped file as far as it may be read: [base, base + len), pages of psize bytes. */
+typedef struct {
+    const uint8_t *base;
+    uint64_t len;
+    uint64_t psize;
+    uint64_t npages; /* whole pages in len */
+} Map;
+
+/* A page of the tree: ``p`` points at it once its number and header are checked. */
+static int page_at(const Map *m, uint64_t pgno, const uint8_t **out) {
+    if (pgno >= m->npages) return LK_PAGE;
+    const uint8_t *p = m->base + pgno * m->psize;
+    if (le64(p) != pgno) return LK_HEADER; /* every page LMDB writes carries its own number */
+    *out = p;
+    return LK_OK;
+}
+
+/* The number of nodes of a branch or leaf page, after checking its free-space bounds. */
+static int page_keys(const Map *m, const uint8_t *p, unsigned *n) {
+    unsigned lower = le16(p + 12), upper = le16(p + 14);
+    if (lower < PAGE_HEADER || (lower - PAGE_HEADER) % 2 || lower > upper || upper > m->psize) return LK_HEADER;
+    *n = (lower - PAGE_HEADER) / 2;
+    return LK_OK;
+}
+
+/* Node ``i`` of page ``p`` (i < its key count) and its key, checked to lie within the page. */
+static int node_at(const Map *m, const uint8_t *p, unsigned i, const uint8_t **node, const uint8_t **key,
+                   unsigned *ksize) {
+    unsigned off = le16(p + PAGE_HEADER + 2 * i);
+    if (off < le16(p + 14) || (uint64_t)off + 8 > m->psize) return LK_NODE; /* nodes live in [upper, psize) */
+    const uint8_t *nd = p + off;
+    unsigned ks = le16(nd + 6);
+    if ((uint64_t)off + 8 + ks > m->psize) return LK_KEY;
+    *node = nd;
+    *key = nd + 8;
+    *ksize = ks;
+    return LK_OK;
+}
+
+/* LMDB's default key order (mdb_cmp_memn): bytes, then the shorter first. */
+static inline int key_cmp(const uint8_t *a, size_t alen, const uint8_t *b, size_t blen) {
+    int c = memcmp(a, b, alen < blen ? alen : blen);
+    if (c) return c;
+    return alen < blen ? -1 : alen > blen;
+}
+
+/* Find ``key`` in the tree of ``depth`` levels under ``root``: its leaf node, or LK_NOTFOUND, or an error. */
+static int tree_find(const Map *m, uint64_t root, unsigned depth, const uint8_t *key, size_t klen,
+                     const uint8_t **leaf_page, const uint8_t **leaf_node) {
+    if (root == NO_ROOT) return LK_NOTFOUND;
+    if (depth == 0 || depth > MAX_DEPTH) return LK_TREE;
+    uint64_t pgno = root;
+    for (unsigned level = 0;; level++) {
+        const uint8_t *p, *nd, *k;
+        unsigned n, ks;
+        int rc = page_at(m, pgno, &p);
+        if (rc) return rc;
+        uint16_t flags = le16(p + 10);
+        if ((rc = page_keys(m, p, &n))) return rc;
+        if (level + 1 < depth) {
+            /* A branch: the last node whose key is <= key (node 0's key stands for "anything lower"). */
+            if (!(flags & P_BRANCH) || (flags & (P_LEAF | P_LEAF2 | P_OVERFLOW | P_META)) || n == 0) return LK_TREE;
+            unsigned lo = 1, hi = n, best = 0; /* search [lo, hi) */
+            while (lo < hi) {
+                unsigned mid = lo + (hi - lo) / 2;
+                if ((rc = node_at(m, p, mid, &nd, &k, &ks))) return rc;
+                if (key_cmp(k, ks, key, klen) <= 0) {
+                    best = mid;
+                    lo = mid + 1;
+                } else {
+                    hi = mid;
+                }
+            }
+            if ((rc = node_at(m, p, best, &nd, &k, &ks))) return rc;
+            pgno = (uint64_t)le16(nd) | (uint64_t)le16(nd + 2) << 16 | (uint64_t)le16(nd + 4) << 32;
+            continue;
+        }
+        /* The leaf level: an exact match or nothing. */
+        if (!(flags & P_LEAF) || (flags & (P_BRANCH | P_LEAF2 | P_OVERFLOW | P_META))) return LK_TREE;
+        unsigned lo = 0, hi = n;
+        while (lo < hi) {
+            unsigned mid = lo + (hi - lo) / 2;
+            if ((rc = node_at(m, p, mid, &nd, &k, &ks))) return rc;
+            int c = key_cmp(k, ks, key, klen);
+            if (c == 0) {
+                *leaf_page = p;
+                *leaf_node = nd;
+                return LK_OK;
+            }
+            if (c < 0)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        return LK_NOTFOUND;
+    }
+}
+
+/* Where a plain value (no F_SUBDATA / F_DUPDATA) of a leaf node lies in the file: (offset, size). */
+static int leaf_value(const Map *m, const uint8_t *p, const uint8_t *nd, uint64_t *offset, uint64_t *size) {
+    uint16_t flags = le16(nd + 4);
+    uint64_t sz = (uint64_t)le16(nd) | (uint64_t)le16(nd + 2) << 16;
+    uint64_t data = (uint64_t)(nd - p) + 8 + le16(nd + 6); /* in the page, checked <= psize by node_at */
+    if (flags & (F_SUBDATA | F_DUPDATA)) return LK_DATA;
+    if (flags & F_BIGDATA) {
+        if (data + 8 > m->psize) return LK_DATA;
+        uint64_t pgno = le64(p + data);
+        const uint8_t *ov;
+        int rc = page_at(m, pgno, &ov);
+        if (rc) return rc == LK_PAGE ? LK_OVERFLOW : rc;
+        if (!(le16(ov + 10) & P_OVERFLOW)) return LK_OVERFLOW;
+        uint64_t pages = le32(ov + 12);
+        /* The value must fit its run of pages, and the run the mapped file. */
+        if (pages == 0 || pages > m->npages - pgno || sz + PAGE_HEADER > pages * m->psize) return LK_OVERFLOW;
+        *offset = pgno * m->psize + PAGE_HEADER;
+        *size = sz;
+        return LK_OK;
+    }
+    if (data + sz > m->psize) return LK_DATA;
+    *offset = (uint64_t)(p - m->base) + data;
+    *size = sz;
+    return LK_OK;
+}
+
+/* A named database's root, depth and flags, read from the meta page of ``txnid`` and the main database. */
+typedef struct {
+    uint64_t root;
+    unsigned depth;
+    unsigned flags;
+} Tree;
+
+static int open_tree(const Map *m, uint64_t txnid, const uint8_t *name, size_t nlen, Tree *out) {
+    if (m->npages < 2) return LK_META;
+    const uint8_t *meta = m->base + (txnid & 1) * m->psize; /* LMDB writes txn t's meta to page t & 1 */
+    const volatile uint8_t *vtx = meta + 144;
+    if (le32(meta + 16) != 0xBEEFC0DEU || le32(meta + 20) != 1 || !(le16(meta + 10) & P_META)) return LK_META;
+    /* Seqlock-style: a writer two commits on rewrites this page in place; a txnid read equal before and
+     * after the copy means the copy is this snapshot's (see the docstring of lmdbcache/_native/__init__.py
+     * for the one window this cannot see). */
+    uint64_t before = le64((const uint8_t *)vtx);
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    uint64_t root = le64(meta + 88 + 40);
+    unsigned depth = le16(meta + 88 + 6);
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    uint64_t after = le64((const uint8_t *)vtx);
+    if (before != txnid || after != txnid) return LK_RETRY;
+    const uint8_t *p, *nd;
+    int rc = tree_find(m, root, depth, name, nlen, &p, &nd);
+    if (rc) return rc;
+    uint16_t flags = le16(nd + 4);
+    uint64_t data = (uint64_t)(nd - p) + 8 + le16(nd + 6);
+    uint64_t size = (uint64_t)le16(nd) | (uint64_t)le16(nd + 2) << 16;
+    if (!(flags & F_SUBDATA) || (flags & F_BIGDATA) || size != MDB_DB_SIZE || data + MDB_DB_SIZE > m->psize)
+        return LK_DB;
+    const uint8_t *db = p + data;
+    out->flags = le16(db + 4);
+    out->depth = le16(db + 6);
+    out->root = le64(db + 40);
+    if (out->flags & ~0x7fu || (out->flags & MDB_DUPSORT) || out->flags & 0x08 /* MDB_INTEGERKEY */ ||
+        out->flags & 0x02 /* MDB_REVERSEKEY */)
+        return LK_DB; /* keys here compare as plain bytes; lmdbcache opens its databases with no flags */
+    if (out->root == NO_ROOT ? out->depth != 0 : (out->depth == 0 || out->depth > MAX_DEPTH)) return LK_DB;
+    return LK_OK;
+}
+
+/* The Map of a (base address, usable length, page size) triple from Python, or -1 with an exception set. */
+static int map_from(Map *m, unsigned long long base, unsigned long long len, unsigned long long psize) {
+    if (base == 0 || psize < 512 || psize > 65536 || (psize & (psize - 1))) {
+        PyErr_SetString(PyExc_ValueError, "a mapping needs a base address and a power-of-two page size");
+        return -1;
+    }
+    m->base = (const uint8_t *)(uintptr_t)base;
+    m->len = len;
+    m->psize = psize;
+    m->npages = len / psize;
+    return 0;
+}
+
+PyDoc_STRVAR(py_open_tree_doc,
+             "open_tree(base, length, psize, txnid, name, /) -> (code, root, depth)\n\n"
+             "The root page and depth of the named database ``name`` in the snapshot of the read transaction\n"
+             "``txnid``, read from the file mapped at ``base`` (``length`` bytes of it readable, pages of\n"
+             "``psize``). ``code`` is 0, NOTFOUND (no such database), RETRY (the snapshot's meta page was\n"
+             "reused: begin a new transaction) or an error code (see CODES).");
+
+static PyObject *py_open_tree(PyObject *self, PyObject *args) {
+    unsigned long long base, len, psize, txnid;
+    Py_buffer name;
+    Map m;
+    Tree t = {NO_ROOT, 0, 0};
+    if (!PyArg_ParseTuple(args, "KKKKy*:open_tree", &base, &len, &psize, &txnid, &name)) return NULL;
+    if (map_from(&m, base, len, psize) < 0) {
+        PyBuffer_Release(&name);
+        return NULL;
+    }
+    int rc = open_tree(&m, txnid, name.buf, (size_t)name.len, &t);
+    PyBuffer_Release(&name);
+    return Py_BuildValue("iKI", rc, (unsigned long long)t.root, t.depth);
+}
+
+PyDoc_STRVAR(py_locate_doc,
+             "locate(base, length, psize, root, depth, key, /) -> (code, offset, size)\n\n"
+             "Where the value of ``key`` lies in the mapped file (offset from ``base``), in the tree of\n"
+             "``root`` and ``depth`` (open_tree): code 0, NOTFOUND or an error code; nothing outside\n"
+             "[base, base + length) is read.");
+
+static PyObject *py_locate(PyObject *self, PyObject *args) {
+    unsigned long long base, len, psize, root;
+    unsigned int depth;
+    Py_buffer key;
+    Map m;
+    if (!PyArg_ParseTuple(args, "KKKKIy*:locate", &base, &len, &psize, &root, &depth, &key)) return NULL;
+    if (map_from(&m, base, len, psize) < 0) {
+        PyBuffer_Release(&key);
+        return NULL;
+    }
+    const uint8_t *p, *nd;
+    uint64_t offset = 0, size = 0;
+    int rc = tree_find(&m, root, depth, key.buf, (size_t)key.len, &p, &nd);
+    if (rc == LK_OK) rc = leaf_value(&m, p, nd, &offset, &size);
+    PyBuffer_Release(&key);
+    return Py_BuildValue("iKK", rc, (unsigned long long)offset, (unsigned long long)size);
+}
+
+/* ------------------------------------------------------------------------------------------
+ * The loader's batch path: locate every index of a batch (locate_batch), then copy each slice
+ * of it into the batch tensors (fill), both with the GIL released. A batch's spans travel
+ * between the two as a bytearray of SPAN-byte records: u64 offset, u64 size, u64 index,
+ * u8 check (verify the data checksum), 7 bytes of padding.
+ */
+
+#define SPAN 32
+#define LK_PACK 25 /* a pack whose header does not hold the index's value (lmdbcache/_pack.py) */
+
+static inline void put_be64(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (56 - 8 * i));
+}
+
+/* The value of ``index`` in the pack at [offset, offset + size) of the file, for a chunk of ``n`` values
+ * starting at ``first``: the checks of _pack.span (magic, count, the pair within the values). */
+static int pack_value(const Map *m, uint64_t offset, uint64_t size, uint64_t j, uint64_t n, uint64_t *at,
+                      uint64_t *len) {
+    const uint8_t *v = m->base + offset; /* [offset, offset + size) was checked against the map by leaf_value */
+    if (size < 8 + 8 * n || memcmp(v, "LMPK", 4) || le32(v + 4) != n) return LK_PACK;
+    uint64_t start = le32(v + 8 + 8 * j), end = le32(v + 12 + 8 * j);
+    if (start < 8 + 8 * n || start > end || end > size) return LK_PACK;
+    *at = offset + start;
+    *len = end - start;
+    return LK_OK;
+}
+
+/* The OS page size (set at import), for the advice below. */
+static long os_page = 0;
+
+/* A large value whose first page is not in memory is announced to the kernel (MADV_WILLNEED) before it is
+ * copied: one read for all of it instead of a page fault per page, since the map is opened without readahead
+ * (issue #14, lmdbcache/_guard.py). mincore() of one page tells cold from warm: a warm value costs that one
+ * syscall, never the advice's walk over its cached pages. Only advice: nothing is touched, failures are ignored. */
+static void advise_if_cold(const Map *m, uint64_t offset, uint64_t size) {
+#ifdef HAVE_ADVICE
+    if (os_page <= 0) return;
+    uintptr_t start = (uintptr_t)(m->base + offset), first = start - start % (uintptr_t)os_page;
+    unsigned char resident = 0;
+    if (mincore((void *)first, (size_t)os_page, &resident) == 0 && (resident & 1)) return;
+    madvise((void *)first, (size_t)(start + size - first), MADV_WILLNEED); /* the map is page-aligned: first >= base */
+#endif
+}
+
+/* Locate one index as ReadPath._fetch does: (packs on) its value in its chunk's pack, else its single record. */
+static int locate_index(const Map *m, uint64_t root, unsigned depth, uint64_t index, uint64_t pack,
+                        uint64_t length, uint64_t *offset, uint64_t *size) {
+    uint8_t key[9];
+    const uint8_t *p, *nd;
+    int rc;
+    uint64_t first = pack ? index - index % pack : 0;
+    if (pack && first < length) {
+        uint64_t n = length - first < pack ? length - first : pack, at, sz;
+        put_be64(key, first);
+        key[8] = 'P';
+        rc = tree_find(m, root, depth, key, 9, &p, &nd);
+        if (rc == LK_OK) {
+            if ((rc = leaf_value(m, p, nd, &at, &sz))) return rc;
+            if (index - first >= n) return LK_PACK;
+            return pack_value(m, at, sz, index - first, n, offset, size);
+        }
+        if (rc != LK_NOTFOUND) return rc;
+    }
+    put_be64(key, index);
+    rc = tree_find(m, root, depth, key, 8, &p, &nd);
+    return rc ? rc : leaf_value(m, p, nd, offset, size);
+}
+
+PyDoc_STRVAR(py_locate_batch_doc,
+             "locate_batch(base, length, psize, root, depth, indices, pack, dataset_length, verified, always,\n"
+             "             advise_min=0, /) -> (code, k, spans)\n\n"
+             "Locate every index of ``indices`` (a list of ints) as locate() does, in a pack of ``pack`` values\n"
+             "when its single record is absent (pack > 0). ``spans`` is a bytearray of 32-byte records (u64\n"
+             "offset, u64 size, u64 index, u8 check): check is set where the data checksum must be verified\n"
+             "(``always``, ``verified`` None, past its end, or its byte 0). code 0: all found; else the code\n"
+             "(NOTFOUND or an error) of indices[k], the first that failed. A value of advise_min bytes or more\n"
+             "(0: none) whose first page is not in memory is announced to the kernel before it is read.");
+
+static PyObject *py_locate_batch(PyObject *self, PyObject *args) {
+    unsigned long long base, len, psize, root, pack, length;
+    unsigned int depth;
+    unsigned long long advise_min = 0;
+    PyObject *indices, *verified;
+    int always;
+    Map m;
+    if (!PyArg_ParseTuple(args, "KKKKIO!KKOp|K:locate_batch", &base, &len, &psize, &root, &depth, &PyList_Type,
+                          &indices, &pack, &length, &verified, &always, &advise_min))
+        return NULL;
+    if (map_from(&m, base, len, psize) < 0) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(indices);
+    PyObject *blob = PyByteArray_FromStringAndSize(NULL, n * SPAN);
+    if (blob == NULL) return NULL;
+    uint8_t *spans = (uint8_t *)PyByteArray_AS_STRING(blob);
+    memset(spans, 0, (size_t)n * SPAN);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        uint64_t index = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(indices, k));
+        if (index == (uint64_t)-1 && PyErr_Occurred()) {
+            Py_DECREF(blob);
+            return NULL;
+        }
+        memcpy(spans + k * SPAN + 16, &index, 8);
+    }
+    Py_buffer vb = {0};
+    int have_verified = verified != Py_None;
+    if (have_verified && PyObject_GetBuffer(verified, &vb, PyBUF_SIMPLE) < 0) {
+        Py_DECREF(blob);
+        return NULL;
+    }
+    int rc = LK_OK;
+    Py_ssize_t k;
+    Py_BEGIN_ALLOW_THREADS
+    for (k = 0; k < n; k++) {
+        uint8_t *rec = spans + k * SPAN;
+        uint64_t index, offset = 0, size = 0;
+        memcpy(&index, rec + 16, 8);
+        rc = locate_index(&m, root, depth, index, pack, length, &offset, &size);
+        if (rc) break;
+        if (advise_min && size >= advise_min) advise_if_cold(&m, offset, size);
+        memcpy(rec, &offset, 8);
+        memcpy(rec + 8, &size, 8);
+        rec[24] = always || !have_verified || index >= (uint64_t)vb.len || !((const uint8_t *)vb.buf)[index];
+    }
+    Py_END_ALLOW_THREADS
+    if (have_verified) PyBuffer_Release(&vb);
+    return Py_BuildValue("inN", rc, rc ? k : (Py_ssize_t)0, blob);
+}
+
+/* fill's outcomes (the row is returned with them). */
+enum { FILL_OK = 0, FILL_OTHER = 1, FILL_STRUCTURE = 2, FILL_LENGTHS = 3, FILL_DATA = 4, FILL_SPAN = 5 };
+
+#define MAX_FIELDS 255 /* MAX_FLAT_ITEMS */
+
+PyDoc_STRVAR(py_fill_doc,
+             "fill(base, length, spans, lo, hi, plan, dests, scalar_dest, /) -> (status, row)\n\n"
+             "Copy the values of spans rows lo:hi (locate_batch) into rows lo:hi of the batch buffers, as\n"
+             "lmdbcache.loader._gather.Buffers.fill does: ``plan`` is (signature key, struct_size, value_size,\n"
+             "scalars_at, scalar_size, ((pos, nbytes), ...)), ``dests`` one writable buffer per tensor field,\n"
+             "``scalar_dest`` the staging rows. status 0: done; 1: the value of ``row`` is not of this flat\n"
+             "layout (nothing is wrong: the caller takes its other path); 2, 3, 4: the structure checksum,\n"
+             "the lengths, the data checksum of ``row`` do not match; 5: a span outside the map.");
+
+static PyObject *py_fill(PyObject *self, PyObject *args) {
+    unsigned long long base, len;
+    Py_ssize_t lo, hi;
+    PyObject *blob, *plan, *dests, *scalar_obj;
+    Map m;
+    if (!PyArg_ParseTuple(args, "KKO!nnO!O!O:fill", &base, &len, &PyByteArray_Type, &blob, &lo, &hi, &PyTuple_Type,
+                          &plan, &PyList_Type, &dests, &scalar_obj))
+        return NULL;
+    if (map_from(&m, base, len, 4096) < 0) return NULL;
+    Py_buffer key;
+    unsigned long long struct_size, value_size, scalars_at, scalar_size;
+    PyObject *positions;
+    if (!PyArg_ParseTuple(plan, "y*KKKKO!:fill plan", &key, &struct_size, &value_size, &scalars_at, &scalar_size,
+                          &PyTuple_Type, &positions))
+        return NULL;
+    Py_ssize_t nfields = PyTuple_GET_SIZE(positions);
+    Py_ssize_t nspans = PyByteArray_GET_SIZE(blob) / SPAN;
+    uint64_t pos[MAX_FIELDS], nbytes[MAX_FIELDS];
+    Py_buffer out[MAX_FIELDS], scalars = {0};
+    Py_ssize_t got = 0;
+    int ok = 0;
+    if (nfields > MAX_FIELDS || nfields != PyList_GET_SIZE(dests) || lo < 0 || lo > hi || hi > nspans) {
+        PyErr_SetString(PyExc_ValueError, "fill: fields, destinations and rows do not agree");
+        goto done;
+    }
+    for (got = 0; got < nfields; got++) {
+        PyObject *field = PyTuple_GET_ITEM(positions, got);
+        if (!PyArg_ParseTuple(field, "KK", &pos[got], &nbytes[got])) goto done;
+        if (PyObject_GetBuffer(PyList_GET_ITEM(dests, got), &out[got], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        /* Every row written must lie in its buffer, checked here, before the GIL is released. */
+        if (nbytes[got] && (uint64_t)out[got].len / nbytes[got] < (uint64_t)hi) {
+            PyErr_SetString(PyExc_ValueError, "fill: a destination buffer is shorter than its rows");
+            got++;
+            goto done;
+        }
+    }
+    if (PyObject_GetBuffer(scalar_obj, &scalars, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (scalar_size && (uint64_t)scalars.len / scalar_size < (uint64_t)hi) {
+        PyErr_SetString(PyExc_ValueError, "fill: the scalar staging buffer is shorter than its rows");
+        goto done;
+    }
+    /* The plan must describe values that hold every field it copies (Layout checks it; checked again). */
+    /* Every sum is kept below value_size as it grows (no wraparound), so every copy stays in the value. */
+    int tiled = value_size >= 24 && struct_size <= value_size - 24;
+    uint64_t end = 24 + struct_size;
+    for (Py_ssize_t f = 0; f < nfields && tiled; f++) {
+        tiled = pos[f] == end && nbytes[f] <= value_size - end;
+        end += nbytes[f];
+    }
+    if (!tiled || end != value_size || scalar_size > value_size || scalars_at > value_size - scalar_size ||
+        (uint64_t)key.len + 25 > value_size) {
+        PyErr_SetString(PyExc_ValueError, "fill: the plan's fields do not tile its value");
+        goto done;
+    }
+    ok = 1;
+done:
+    if (!ok) {
+        for (Py_ssize_t f = 0; f < got; f++) PyBuffer_Release(&out[f]);
+        if (scalars.obj) PyBuffer_Release(&scalars);
+        PyBuffer_Release(&key);
+        return NULL;
+    }
+    const uint8_t *spans = (const uint8_t *)PyByteArray_AS_STRING(blob);
+    int status = FILL_OK;
+    Py_ssize_t j;
+    Py_BEGIN_ALLOW_THREADS
+    for (j = lo; j < hi; j++) {
+        const uint8_t *rec = spans + j * SPAN;
+        uint64_t offset = le64(rec), size = le64(rec + 8), index = le64(rec + 16);
+        int check = rec[24];
+        if (offset > m.len || size > m.len - offset) {
+            status = FILL_SPAN;
+            break;
+        }
+        const uint8_t *v = m.base + offset;
+        /* Header: "LMC\x02", u32 structure size, u64 structure and data checksums; then 0xC1 and the
+         * signature (u16 length + bytes): the plan's key. Another form: the caller's other path. */
+        if (size < 27 || memcmp(v, "LMC\x02", 4) || v[24] != 0xC1 || (uint64_t)le16(v + 25) + 2 != (uint64_t)key.len ||
+            size < 25 + (uint64_t)key.len || memcmp(v + 25, key.buf, (size_t)key.len)) {
+            status = FILL_OTHER;
+            break;
+        }
+        uint64_t ssize = le32(v + 4);
+        uint64_t hashed = 24 + ssize < size ? ssize : size - 24; /* as Python slices mv[24:24 + size] */
+        if (xxh3_64(v + 24, hashed, index) != le64(v + 8)) {
+            status = FILL_STRUCTURE;
+            break;
+        }
+        if (ssize != struct_size || size != value_size) {
+            status = FILL_LENGTHS;
+            break;
+        }
+        uint64_t digest = index;
+        for (Py_ssize_t f = 0; f < nfields; f++) {
+            uint8_t *row = (uint8_t *)out[f].buf + (uint64_t)j * nbytes[f];
+            memcpy(row, v + pos[f], nbytes[f]);
+            if (check) digest = xxh3_64(row, nbytes[f], digest); /* over the copy: what the batch holds */
+        }
+        if (check && digest != le64(v + 16)) {
+            status = FILL_DATA;
+            break;
+        }
+        if (scalar_size) memcpy((uint8_t *)scalars.buf + (uint64_t)j * scalar_size, v + scalars_at, scalar_size);
+    }
+    Py_END_ALLOW_THREADS
+    for (Py_ssize_t f = 0; f < nfields; f++) PyBuffer_Release(&out[f]);
+    PyBuffer_Release(&scalars);
+    PyBuffer_Release(&key);
+    return Py_BuildValue("in", status, status ? j : (Py_ssize_t)0);
+}
+
+PyDoc_STRVAR(py_mark_verified_doc,
+             "mark_verified(verified, spans, big, /) -> None\n\n"
+             "For each span with check set whose index is inside ``verified`` (a bytearray), set its byte:\n"
+             "2 for a value of ``big`` bytes or more, else 1 (lmdbcache.store._read._mark).");
+
+static PyObject *py_mark_verified(PyObject *self, PyObject *args) {
+    PyObject *verified, *blob;
+    unsigned long long big;
+    if (!PyArg_ParseTuple(args, "O!O!K:mark_verified", &PyByteArray_Type, &verified, &PyByteArray_Type, &blob, &big))
+        return NULL;
+    uint8_t *flags = (uint8_t *)PyByteArray_AS_STRING(verified);
+    uint64_t nflags = (uint64_t)PyByteArray_GET_SIZE(verified);
+    const uint8_t *spans = (const uint8_t *)PyByteArray_AS_STRING(blob);
+    Py_ssize_t n = PyByteArray_GET_SIZE(blob) / SPAN;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        const uint8_t *rec = spans + k * SPAN;
+        uint64_t index = le64(rec + 16);
+        if (rec[24] && index < nflags) flags[index] = le64(rec + 8) >= big ? 2 : 1;
+    }
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------------------------------
+ * The module. */
+
+/* Bumped whenever the Python side's expectations of this module change. */
+#define CORE_VERSION 1
+
+static PyMethodDef core_methods[] = {
+    {"xxh3_64", (PyCFunction)(void (*)(void))py_xxh3_64, METH_FASTCALL, py_xxh3_64_doc},
+    {"open_tree", py_open_tree, METH_VARARGS, py_open_tree_doc},
+    {"locate", py_locate, METH_VARARGS, py_locate_doc},
+    {"locate_batch", py_locate_batch, METH_VARARGS, py_locate_batch_doc},
+    {"fill", py_fill, METH_VARARGS, py_fill_doc},
+    {"mark_verified", py_mark_verified, METH_VARARGS, py_mark_verified_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef core_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "lmdbcache._native._core",
+    .m_doc = "The compiled core of lmdbcache's read path (see lmdbcache/_native/__init__.py).",
+    .m_size = -1,
+    .m_methods = core_methods,
+};
+
+PyMODINIT_FUNC PyInit__core(void) {
+    PyObject *m = PyModule_Create(&core_module);
+    if (m == NULL) return NULL;
+#ifdef HAVE_ADVICE
+    os_page = sysconf(_SC_PAGESIZE);
+#endif
+    if (PyModule_AddIntConstant(m, "VERSION", CORE_VERSION) < 0 || PyModule_AddIntConstant(m, "OK", LK_OK) < 0 ||
+        PyModule_AddIntConstant(m, "NOTFOUND", LK_NOTFOUND) < 0 || PyModule_AddIntConstant(m, "RETRY", LK_RETRY) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

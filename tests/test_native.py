@@ -1,0 +1,732 @@
+"""The compiled core (``lmdbcache._native``): the switch, and each native piece against its Python reference."""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import random
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+from helpers import Listed, Synthetic, key, raw_cache
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from xxhash import xxh3_64_intdigest
+
+from lmdbcache import CachedDataset, CorruptSampleError, LmdbCacheError, _native, codec
+from lmdbcache.loader._gather import Buffers, Layout
+from lmdbcache.store._guard import MapGuard
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+core = _native.core
+needs_core = pytest.mark.skipif(core is None, reason="the compiled core is not built (or LMDBCACHE_PURE_PYTHON=1)")
+
+
+def _child(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if k != "LMDBCACHE_PURE_PYTHON"}
+    environ.update(PYTHONPATH=ROOT, **env)
+    return subprocess.run(
+        [sys.executable, "-W", "error::DeprecationWarning", "-c", code],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_forced_pure_python() -> None:
+    """LMDBCACHE_PURE_PYTHON=1 gives no core and no warning."""
+    out = _child(
+        "import warnings; warnings.simplefilter('error')\n"
+        "from lmdbcache import _native; print(_native.NATIVE, _native.core)",
+        LMDBCACHE_PURE_PYTHON="1",
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "None"]
+
+
+def test_import_failure_warns_once() -> None:
+    """A core that cannot be imported gives exactly one LmdbCacheWarning naming the fallback and the rebuild."""
+    out = _child(
+        "import sys, warnings\n"
+        "sys.modules['lmdbcache._native._core'] = None  # the import now fails as a missing build does\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    warnings.simplefilter('always')\n"
+        "    from lmdbcache import _native\n"
+        "    import lmdbcache._native, lmdbcache\n"
+        "print(_native.NATIVE)\n"
+        "for w in seen: print(w.category.__name__, '|', w.message)\n"
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "False"
+    assert len(lines) == 2, lines
+    assert lines[1].startswith("LmdbCacheWarning |")
+    assert "pure-Python path is used" in lines[1] and "pip install" in lines[1]
+
+
+@needs_core
+def test_core_is_the_built_extension() -> None:
+    """The core found is the compiled module inside the package."""
+    assert core is not None and _native.NATIVE
+    assert core.__name__ == "lmdbcache._native._core"
+    assert core.__file__.endswith((".so", ".pyd"))
+
+
+# ----------------------------------------------------------------------------------------
+# XXH3-64 (the codec's checksums) against the xxhash package
+
+
+@needs_core
+def test_xxh3_every_small_length() -> None:
+    """xxh3_64 equals xxhash's on random inputs of every length 0..2000 (every length class), seeded and not."""
+    rng = random.Random(24)
+    for n in range(2001):
+        data = rng.randbytes(n)
+        for seed in (0, rng.getrandbits(64)):
+            assert core.xxh3_64(data, seed) == xxh3_64_intdigest(data, seed), (n, seed)
+
+
+@needs_core
+@pytest.mark.parametrize("n", [1 << 20, (1 << 20) + 7, 3 * 224 * 224 + 1, 1023, 1024, 1025, 4096 + 63])
+def test_xxh3_large(n: int) -> None:
+    """xxh3_64 equals xxhash's over many blocks and stripes, the GIL released, with random u64 seeds."""
+    rng = random.Random(n)
+    data = rng.randbytes(n)
+    for seed in (0, 1, 2**64 - 1, rng.getrandbits(64)):
+        assert core.xxh3_64(data, seed) == xxh3_64_intdigest(data, seed)
+    assert core.xxh3_64(bytearray(data)) == core.xxh3_64(memoryview(data)) == xxh3_64_intdigest(data)
+
+
+@needs_core
+@given(data=st.binary(max_size=600), seed=st.integers(min_value=0, max_value=2**64 - 1))
+@settings(max_examples=300, deadline=None)
+def test_xxh3_hypothesis(data: bytes, seed: int) -> None:
+    """xxh3_64 equals xxhash's on arbitrary short inputs and seeds."""
+    assert core.xxh3_64(data, seed) == xxh3_64_intdigest(data, seed)
+
+
+@needs_core
+def test_xxh3_arguments() -> None:
+    """Seeds wrap modulo 2**64 as xxhash's do; non-buffers and wrong arity raise TypeError."""
+    for seed in (-1, 2**64, 2**65 + 3):
+        assert core.xxh3_64(b"abc", seed) == xxh3_64_intdigest(b"abc", seed)
+    assert core.xxh3_64(np.arange(10, dtype=np.int64)) == xxh3_64_intdigest(np.arange(10, dtype=np.int64).tobytes())
+    with pytest.raises(TypeError):
+        core.xxh3_64("text")
+    with pytest.raises(TypeError):
+        core.xxh3_64()
+    with pytest.raises(TypeError):
+        core.xxh3_64(b"", 0, 1)
+
+
+# ----------------------------------------------------------------------------------------
+# The snapshot reader (open_tree, locate) against py-lmdb on real environments
+
+_KEY = struct.Struct(">Q").pack
+
+
+def _value_for(i: int, rng: random.Random) -> bytes:
+    """Mostly inline values of a few to 2000 bytes; one in 16 on overflow pages (up to 40 KB)."""
+    size = rng.randrange(20_000, 40_000) if i % 16 == 0 else rng.randrange(0, 2000)
+    return rng.randbytes(size)
+
+
+def _located(env: lmdb.Environment, path: str, name: bytes = b"samples") -> dict[bytes, bytes | None]:
+    """Every key of ``name`` as the native reader finds it in a fresh read transaction, checked as it goes."""
+    guard = MapGuard(os.path.join(path, "data.mdb"), env.stat()["psize"])
+    base, length, _ = guard.mapping()
+    assert base and length
+    psize = env.stat()["psize"]
+    db = env.open_db(name)
+    out: dict[bytes, bytes | None] = {}
+    with env.begin(buffers=True) as txn:
+        code, root, depth = core.open_tree(base, length, psize, txn.id(), name)
+        assert code == 0, _native.reason(code)
+        assert depth == txn.stat(db)["depth"]
+        for key, value in txn.cursor(db=db):
+            code, offset, size = core.locate(base, length, psize, root, depth, bytes(key))
+            assert code == 0, (bytes(key), _native.reason(code))
+            assert offset + size <= length
+            got = ctypes.string_at(base + offset, size)
+            assert got == bytes(value)
+            out[bytes(key)] = got
+        for missing in (_KEY(10**9), b"\xff" * 9, _KEY(3) + b"P"):
+            if txn.get(missing, db=db) is None:
+                assert core.locate(base, length, psize, root, depth, missing)[0] == _native.NOTFOUND
+        assert core.locate(base, length, psize, root, depth, b"")[0] == _native.NOTFOUND
+    return out
+
+
+@pytest.fixture
+def env_path(tmp_path: Any) -> str:
+    return str(tmp_path / "env")
+
+
+@needs_core
+def test_locate_equals_lmdb_many_keys(env_path: str) -> None:
+    """Every key of a three-level tree with inline and overflow values is found with py-lmdb's bytes."""
+    rng = random.Random(5)
+    env = lmdb.open(env_path, max_dbs=4, map_size=1 << 28, readahead=False)
+    try:
+        db = env.open_db(b"samples")
+        env.open_db(b"meta")
+        with env.begin(write=True) as txn:
+            for i in rng.sample(range(200_000), 40_000):
+                txn.put(_KEY(i), _value_for(i, rng) if i % 3 else b"x" * (i % 40), db=db)
+        with env.begin() as txn:
+            assert txn.stat(db)["depth"] >= 3
+        found = _located(env, env_path)
+        assert len(found) == 40_000
+    finally:
+        env.close()
+
+
+@needs_core
+def test_locate_after_deletes_and_growth(env_path: str) -> None:
+    """After deletes, several commits and map growth (the map moves) every key is still found with py-lmdb's bytes."""
+    rng = random.Random(6)
+    env = lmdb.open(env_path, max_dbs=4, map_size=1 << 20, readahead=False)
+    try:
+        db = env.open_db(b"samples")
+        for round_ in range(6):
+            while True:
+                try:
+                    with env.begin(write=True) as txn:
+                        for i in range(round_ * 3000, (round_ + 1) * 3000):
+                            txn.put(_KEY(i), _value_for(i, rng), db=db)
+                        for i in rng.sample(range((round_ + 1) * 3000), 500):
+                            txn.delete(_KEY(i), db=db)
+                    break
+                except lmdb.MapFullError:
+                    env.set_mapsize(env.info()["map_size"] * 2)
+            with env.begin(buffers=True) as txn:
+                expected = {bytes(k): bytes(v) for k, v in txn.cursor(db=db)}
+            assert _located(env, env_path) == expected
+        assert env.info()["map_size"] > 1 << 20
+    finally:
+        env.close()
+
+
+@needs_core
+def test_open_tree_needs_the_snapshots_meta(env_path: str) -> None:
+    """A transaction whose meta page was reused (two commits since) gets RETRY; an unknown database NOTFOUND."""
+    env = lmdb.open(env_path, max_dbs=4, map_size=1 << 22)
+    try:
+        db = env.open_db(b"samples")
+        guard = MapGuard(os.path.join(env_path, "data.mdb"), 4096)
+        with env.begin(buffers=True) as old:
+            for i in range(2):
+                with env.begin(write=True) as txn:
+                    txn.put(_KEY(i), b"v", db=db)
+            guard.refresh()  # the file grew: pages past the old length are not read
+            base, length, _ = guard.mapping()
+            assert core.open_tree(base, length, 4096, old.id(), b"samples")[0] == _native.RETRY
+        with env.begin(buffers=True) as txn:
+            assert core.open_tree(base, length, 4096, txn.id(), b"samples")[0] == 0
+            assert core.open_tree(base, length, 4096, txn.id(), b"nothere")[0] == _native.NOTFOUND
+            with pytest.raises(ValueError):
+                core.open_tree(0, length, 4096, txn.id(), b"samples")
+            with pytest.raises(ValueError):
+                core.open_tree(base, length, 1000, txn.id(), b"samples")
+    finally:
+        env.close()
+
+
+_DAMAGE_CHILD = r"""
+import ctypes, os, random, shutil, struct, sys
+import lmdb
+from lmdbcache import CachedDataset, CorruptSampleError, LmdbCacheError, _native, codec
+from lmdbcache.loader._gather import Buffers, Layout
+from lmdbcache.store._guard import MapGuard
+from lmdbcache.store._guard import MapGuard
+core = _native.core
+src, work, first, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+data = open(os.path.join(src, "data.mdb"), "rb").read()
+keys = [struct.pack(">Q", i) for i in range(3000)]
+seen = {}
+for seed in range(first, first + count):
+    rng = random.Random(seed)
+    bad = bytearray(data)
+    for _ in range(rng.choice((1, 4, 32))):
+        at = rng.randrange(2 * 4096, len(bad))  # meta pages intact: py-lmdb opens the copy
+        if rng.random() < 0.5:
+            bad[at] ^= 1 << rng.randrange(8)
+        else:
+            bad[at : at + 2] = rng.randbytes(2)
+    os.makedirs(work, exist_ok=True)
+    open(os.path.join(work, "data.mdb"), "wb").write(bad)
+    print(seed, flush=True)
+    env = lmdb.open(work, max_dbs=4, readonly=True, lock=False)
+    base, length, _ = MapGuard(os.path.join(work, "data.mdb"), 4096).mapping()
+    with env.begin(buffers=True) as txn:
+        code, root, depth = core.open_tree(base, length, 4096, txn.id(), b"samples")
+        seen[code] = seen.get(code, 0) + 1
+        if code == 0:
+            for key in keys:
+                code, offset, size = core.locate(base, length, 4096, root, depth, key)
+                seen[code] = seen.get(code, 0) + 1
+                if code == 0:
+                    assert offset + size <= length
+                    ctypes.string_at(base + offset, size)  # touch every byte: inside the file
+    env.close()
+    shutil.rmtree(work)
+print("codes", sorted(seen.items()))
+"""
+
+
+@needs_core
+def test_damaged_files_never_crash_the_reader(env_path: str, tmp_path: Any) -> None:
+    """Random damage to tree pages gives error codes or in-file spans, never a crash (a child process per run)."""
+    rng = random.Random(7)
+    env = lmdb.open(env_path, max_dbs=4, map_size=1 << 26)
+    db = env.open_db(b"samples")
+    with env.begin(write=True) as txn:
+        for i in range(3000):
+            txn.put(_KEY(i), _value_for(i, rng), db=db)
+    env.close()
+    out = subprocess.run(
+        [sys.executable, "-c", _DAMAGE_CHILD, env_path, str(tmp_path / "bad"), "0", "150"],
+        env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert out.returncode == 0, f"died after seed {out.stdout.split()[-1:]}: {out.stderr[-2000:]}"
+    codes = dict(eval(out.stdout.splitlines()[-1][len("codes ") :]))
+    assert codes.get(0) and any(code >= 16 for code in codes), codes
+
+
+# ----------------------------------------------------------------------------------------
+# The loader's batch path: native and pure-Python batches byte-identical, the same errors
+
+
+def _bytes_of(x: Any) -> Any:
+    """A batch as nested lists of (dtype, shape, raw bytes): byte-identical means equal."""
+    if isinstance(x, torch.Tensor):
+        flat = x.contiguous().reshape(-1)
+        return (str(x.dtype), tuple(x.shape), flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+    if isinstance(x, dict):
+        return {k: _bytes_of(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [type(x).__name__, *[_bytes_of(v) for v in x]]
+    return (type(x).__name__, x)
+
+
+_DTYPES = [
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16", "bfloat16",
+    "float32", "float64", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2",
+]  # fmt: skip
+
+
+def _tensor(i: int, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    raw = torch.randint(0, 256, (max(1, int(np.prod(shape))) * 16,), dtype=torch.uint8, generator=g)
+    dt = getattr(torch, dtype)
+    n = int(np.prod(shape))
+    return raw[: n * dt.itemsize].view(dt).reshape(shape).clone()
+
+
+SAMPLE_KINDS: dict[str, Any] = {
+    **{f"dtype {d}": (lambda i, d=d: (_tensor(i, d, (3, 5)), i)) for d in _DTYPES if hasattr(torch, d)},
+    "scalars only": lambda i: (i, i / 3, i % 2 == 0),
+    "one tensor": lambda i: (_tensor(i, "float32", (7,)),),
+    "0-d tensors": lambda i: (_tensor(i, "int64", ()), _tensor(i + 1, "float64", ()), -i),
+    "scalars first": lambda i: (i * 7 - 3, _tensor(i, "int16", (2, 2)), 0.5, True),
+    "empty tensor": lambda i: (torch.zeros(0, 3), i),
+    "non-contiguous": lambda i: (_tensor(i, "float32", (4, 6)).t(), i),
+    "large (overflow pages)": lambda i: (_tensor(i, "uint8", (3, 64, 64)), i),
+    "dict (not flat)": lambda i: {"x": _tensor(i, "float32", (3,)), "y": i},
+    "nested (not flat)": lambda i: ((_tensor(i, "int32", (2,)), i), float(i)),
+}
+
+
+def _epoch(ds: CachedDataset, batch: int, **kwargs: Any) -> list[Any]:
+    with ds.loader(batch, **kwargs) as loader:
+        return [_bytes_of(b) for b in loader]
+
+
+class _Counting:
+    """The core, with its calls counted."""
+
+    def __init__(self, real: Any) -> None:
+        self.real, self.calls = real, collections.Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.real, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args: Any) -> Any:
+            self.calls[name] += 1
+            return attr(*args)
+
+        return counted
+
+
+@pytest.fixture
+def counting(monkeypatch: Any) -> _Counting:
+    import lmdbcache._native.batch as batch_module
+
+    proxy = _Counting(core)
+    monkeypatch.setattr(_native, "core", proxy)
+    monkeypatch.setattr(batch_module, "core", proxy)
+    return proxy
+
+
+@needs_core
+@pytest.mark.parametrize("pack", [0, 8])
+@pytest.mark.parametrize("kind", list(SAMPLE_KINDS))
+def test_native_and_python_batches_are_byte_identical(tmp_path: Any, kind: str, pack: int, counting: Any) -> None:
+    """Every flat sample kind (every dtype, scalars, 0-d, empty, packs) gives the same batch bytes both ways."""
+    make = SAMPLE_KINDS[kind]
+    ds = CachedDataset(Listed([make(i) for i in range(37)]), str(tmp_path / "c.lmdb"), pack=pack)
+    ds.__getitems__(list(range(37)))
+    ds.flush()
+    native = _epoch(ds, 8, shuffle=True, seed=3)
+    used = counting.calls["fill"]
+    counting.real, saved = None, counting.real
+    try:
+        import lmdbcache._native.batch as batch_module
+
+        batch_module.core = None  # type: ignore[assignment]
+        _native.core = None  # type: ignore[assignment]
+        python = _epoch(ds, 8, shuffle=True, seed=3)
+    finally:
+        counting.real = saved
+    assert native == python
+    flat = not kind.endswith("(not flat)") and kind != "empty tensor"
+    assert (used > 0) == flat, counting.calls
+    ds.close()
+
+
+@needs_core
+@pytest.mark.parametrize("checksum", ["once", "always"])
+@pytest.mark.parametrize(("what", "at"), [("data", -1), ("structure", 30), ("header", 10), ("magic", 0)])
+def test_damaged_values_give_the_same_error_both_ways(tmp_path: Any, checksum: str, what: str, at: int) -> None:
+    """A damaged value raises the same CorruptSampleError (type and message) on the native and the Python path."""
+    path = tmp_path / "c.lmdb"
+    ds = CachedDataset(Synthetic(24), str(path))
+    ds.__getitems__(list(range(24)))
+    ds.close()
+    with raw_cache(path) as (txn, samples, _):
+        value = bytearray(txn.get(key(13), db=samples))
+        value[at] ^= 0xFF
+        txn.put(key(13), bytes(value), db=samples)
+    errors = []
+    for native in (True, False):
+        ds = CachedDataset.open(str(path), checksum=checksum)
+        saved = _native.core
+        _native.core = saved if native else None  # type: ignore[assignment]
+        try:
+            with pytest.raises(LmdbCacheError) as raised:
+                _epoch(ds, 8)
+            errors.append((type(raised.value), str(raised.value)))
+        finally:
+            _native.core = saved  # type: ignore[assignment]
+            ds.close()
+    if what == "magic":  # not a value of the flat form: both paths hand it to get_many, which refuses it
+        assert errors[0] == errors[1]
+    else:
+        assert errors[0] == errors[1] and errors[0][0] is CorruptSampleError
+    assert "index 13" in errors[0][1]
+
+
+@needs_core
+def test_a_record_past_the_file_is_refused_both_ways(tmp_path: Any) -> None:
+    """A record whose length runs past data.mdb raises CorruptCacheError on both paths (never SIGBUS)."""
+    path = tmp_path / "c.lmdb"
+    ds = CachedDataset(Listed([(_tensor(i, "uint8", (3, 64, 64)), i) for i in range(24)]), str(path))
+    ds.__getitems__(list(range(24)))
+    ds.close()
+    data = bytearray((path / "data.mdb").read_bytes())
+    needle = struct.pack(">Q", 5)
+    at = data.find(needle)
+    while at >= 0:  # every node of index 5 (stale copies in free pages too): its length's high half grows
+        if data[at - 4] & 0x01:  # F_BIGDATA: this is the node's key, its header before it
+            data[at - 6] ^= 0x20
+        at = data.find(needle, at + 1)
+    (path / "data.mdb").write_bytes(bytes(data))
+    out = subprocess.run(
+        [sys.executable, "-c", _RECORD_CHILD, str(path)],
+        env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    native, python = out.stdout.splitlines()[-2:]
+    assert native.startswith("CorruptCacheError") and python.startswith("CorruptCacheError"), out.stdout
+    assert "index 5" in native and "index 5" in python
+
+
+_RECORD_CHILD = r"""
+import sys
+from lmdbcache import CachedDataset, LmdbCacheError, _native
+core = _native.core
+for native in (True, False):
+    _native.core = core if native else None
+    ds = CachedDataset.open(sys.argv[1])
+    try:
+        for _ in ds.loader(8):
+            pass
+        print("no error")
+    except LmdbCacheError as exc:
+        print(type(exc).__name__, str(exc))
+    ds.close()
+"""
+
+
+# ----------------------------------------------------------------------------------------
+# Concurrency: commits and map growth in another process, fork, close() during a batch
+
+
+def _medium(i: int) -> tuple[torch.Tensor, int]:
+    """A 4.8 KB sample (overflow pages): a few hundred of them outgrow a 1 MiB map several times."""
+    return torch.randint(0, 256, (3, 40, 40), dtype=torch.uint8, generator=torch.Generator().manual_seed(i)), i
+
+
+class _Medium(Listed):
+    def __init__(self, n: int) -> None:
+        super().__init__([])
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        return _medium(i)
+
+
+_WRITER_CHILD = r"""
+import sys, torch
+from lmdbcache import CachedDataset
+path, lo, hi = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+class Medium(torch.utils.data.Dataset):
+    def __len__(self):
+        return 800
+    def __getitem__(self, i):
+        return torch.randint(0, 256, (3, 40, 40), dtype=torch.uint8, generator=torch.Generator().manual_seed(i)), i
+ds = CachedDataset(Medium(), path, fingerprint="medium", map_size=1 << 20)
+for start in range(lo, hi, 20):
+    ds.__getitems__(list(range(start, min(start + 20, hi))))
+    ds.flush()
+ds.close()
+"""
+
+
+def _check_batches(ds: CachedDataset, indices: list[int], rounds: int, errors: list[BaseException]) -> None:
+    try:
+        for _ in range(rounds):
+            with ds.loader(16, sampler=indices) as loader:
+                for images, labels in loader:
+                    for image, label in zip(images, labels.tolist()):
+                        assert torch.equal(image, _medium(label)[0]), label
+    except BaseException as exc:
+        errors.append(exc)
+
+
+@needs_core
+@pytest.mark.timeout(170)
+def test_threads_read_while_another_process_commits_and_grows_the_map(tmp_path: Any, counting: Any) -> None:
+    """Two threads read batches natively while another process commits and grows the map: every batch is right."""
+    path = str(tmp_path / "c.lmdb")
+    ds = CachedDataset(_Medium(800), path, fingerprint="medium", map_size=1 << 20)
+    ds.__getitems__(list(range(200)))
+    ds.flush()
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER_CHILD, path, "200", "800"],
+        env={**os.environ, "PYTHONPATH": ROOT},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    errors: list[BaseException] = []
+    try:
+        threads = [
+            threading.Thread(target=_check_batches, args=(ds, random.Random(k).sample(range(200), 200), 6, errors))
+            for k in range(2)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        _, err = writer.communicate(timeout=120)
+    assert writer.returncode == 0, err
+    assert not errors, errors[0]
+    assert counting.calls["fill"] > 0 and counting.calls["locate_batch"] > 0
+    _check_batches(ds, list(range(800)), 1, errors)  # the whole grown file, read natively after the growth
+    assert not errors, errors[0]
+    assert os.path.getsize(os.path.join(path, "data.mdb")) > 1 << 20
+    ds.close()
+
+
+_FORK_CHILD = r"""
+import os, sys, torch
+from lmdbcache import CachedDataset, _native
+assert _native.core is not None
+ds = CachedDataset.open(sys.argv[1])
+first = [b[1].tolist() for b in ds.loader(16)]
+pid = os.fork()
+if pid == 0:
+    try:
+        again = [b[1].tolist() for b in ds.loader(16)]
+        os._exit(0 if again == first else 3)
+    except BaseException as exc:
+        print("child:", repr(exc), flush=True)
+        os._exit(4)
+_, status = os.waitpid(pid, 0)
+print("child status", os.waitstatus_to_exitcode(status))
+assert [b[1].tolist() for b in ds.loader(16)] == first
+"""
+
+
+@needs_core
+def test_fork_after_the_core_read_batches(tmp_path: Any) -> None:
+    """A child forked after the native path read batches reads the same batches (its own handle), as does the parent."""
+    path = tmp_path / "c.lmdb"
+    ds = CachedDataset(Synthetic(64), str(path))
+    ds.__getitems__(list(range(64)))
+    ds.close()
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore::DeprecationWarning", "-c", _FORK_CHILD, str(path)],
+        env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert "child status 0" in out.stdout, out.stdout
+
+
+@needs_core
+def test_close_from_another_thread_during_batches(tmp_path: Any) -> None:
+    """close() from another thread while the loader reads natively waits for the batch; reading reopens or ends
+    cleanly with a library error, never a crash."""
+    path = tmp_path / "c.lmdb"
+    ds = CachedDataset(_Medium(400), str(path), fingerprint="medium")
+    ds.__getitems__(list(range(400)))
+    ds.flush()
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def closer() -> None:
+        while not stop.is_set():
+            ds.close()
+            time.sleep(0.001)
+
+    t = threading.Thread(target=closer)
+    t.start()
+    try:
+        for _ in range(3):
+            try:
+                _check_batches(ds, list(range(400)), 1, errors)
+            except LmdbCacheError:
+                pass
+    finally:
+        stop.set()
+        t.join()
+    assert not [e for e in errors if not isinstance(e, LmdbCacheError)], errors
+    ds.close()
+
+
+# ----------------------------------------------------------------------------------------
+# fill() on its own: what it refuses before releasing the GIL, and each failing row's status
+
+
+def _one_value(index: int = 7) -> tuple[bytes, Layout, Buffers]:
+    value = codec.encode((_tensor(index, "int16", (3, 4)), index, 0.25, True), index)
+    layout = Layout(bytes(value[25 : 27 + struct.unpack_from("<H", value, 25)[0]]))
+    return value, layout, Buffers(layout, 2)
+
+
+def _fill(value: bytes, buffers: Buffers, plan: Any = None, rows: int = 1, index: int = 7) -> tuple[int, int]:
+    mapped = ctypes.create_string_buffer(value, len(value))
+    blob = bytearray(struct.pack("<QQQB7x", 0, len(value), index, 1) * rows)
+    plan = buffers.layout.native_plan if plan is None else plan
+    return core.fill(ctypes.addressof(mapped), len(value), blob, 0, rows, plan, buffers.flat, buffers.scalar_view)
+
+
+@needs_core
+def test_fill_copies_and_reports_each_failure() -> None:
+    """fill copies a sound value into row 0 and names each damaged row's failure by its status."""
+    value, _, buffers = _one_value()
+    assert _fill(value, buffers) == (0, 0)
+    got = buffers.batch(1)
+    assert torch.equal(got[0][0], _tensor(7, "int16", (3, 4))) and got[1].tolist() == [7] and got[3].tolist() == [True]
+    assert _fill(value, buffers, index=8)[0] == 2  # another index: the structure checksum is seeded with it
+    damaged = bytearray(value)
+    damaged[-1] ^= 1
+    assert _fill(bytes(damaged), buffers) == (4, 0)  # data checksum (check flag set)
+    other = codec.encode((_tensor(7, "int16", (3, 5)), 7, 0.25, True), 7)
+    assert _fill(other, buffers)[0] == 1  # another signature: not handled, not an error
+    assert _fill(b"LMC", buffers)[0] == 1  # too short to hold a header
+
+
+@needs_core
+def test_fill_refuses_bad_arguments_before_copying() -> None:
+    """Short destination buffers, a plan whose fields do not tile its value (also by wraparound) and rows past
+    the spans raise ValueError, before anything is copied."""
+    value, layout, buffers = _one_value()
+    with pytest.raises(ValueError):
+        _fill(value, buffers, rows=3)  # the buffers hold 2 rows
+    key, struct_size, value_size, scalars_at, scalar_size, fields = layout.native_plan
+    bad_plans = [
+        (key, struct_size, value_size + 1, scalars_at, scalar_size, fields),
+        (key, struct_size, value_size, value_size, scalar_size, fields),
+        (key, struct_size, value_size, scalars_at, scalar_size, ((fields[0][0] + 1, fields[0][1]),)),
+        (key, struct_size, value_size, scalars_at, scalar_size, ((fields[0][0], 2**64 - 8),)),
+        (key, 2**64 - 20, value_size, scalars_at, scalar_size, fields),
+    ]
+    for plan in bad_plans:
+        with pytest.raises((ValueError, OverflowError)):
+            _fill(value, buffers, plan=plan)
+    mapped = ctypes.create_string_buffer(value, len(value))
+    at, plan = ctypes.addressof(mapped), layout.native_plan
+    blob = bytearray(struct.pack("<QQQB7x", 0, len(value), 7, 1))
+    with pytest.raises(ValueError):
+        core.fill(at, len(value), blob, 0, 2, plan, buffers.flat, buffers.scalar_view)  # 2 rows, 1 span
+    assert core.fill(at, len(value) - 1, blob, 0, 1, plan, buffers.flat, buffers.scalar_view) == (5, 0)
+
+
+@needs_core
+def test_locate_batch_equals_locate_cold_and_warm(env_path: str) -> None:
+    """locate_batch finds what locate finds, with the cold-value advice on (file pages dropped first) and off."""
+    rng = random.Random(9)
+    env = lmdb.open(env_path, max_dbs=4, map_size=1 << 26, readahead=False)
+    try:
+        db = env.open_db(b"samples")
+        with env.begin(write=True) as txn:
+            for i in range(600):
+                txn.put(_KEY(i), _value_for(i, rng), db=db)
+        base, length, _ = MapGuard(os.path.join(env_path, "data.mdb"), 4096).mapping()
+        indices = rng.sample(range(600), 600)
+        with env.begin(buffers=True) as txn:
+            code, root, depth = core.open_tree(base, length, 4096, txn.id(), b"samples")
+            assert code == 0
+            want = [core.locate(base, length, 4096, root, depth, _KEY(i))[1:] for i in indices]
+            fd = os.open(os.path.join(env_path, "data.mdb"), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold: the advice is given
+            finally:
+                os.close(fd)
+            for advise in (16384, 0):
+                code, k, blob = core.locate_batch(base, length, 4096, root, depth, indices, 0, 600, None, False, advise)
+                assert code == 0
+                got = [struct.unpack_from("<QQQB", blob, 32 * j) for j in range(len(indices))]
+                assert [(o, s) for o, s, _, _ in got] == want
+                assert [i for _, _, i, _ in got] == indices and all(check for *_, check in got)
+                assert all(ctypes.string_at(base + o, s) == bytes(txn.get(_KEY(i), db=db)) for o, s, i, _ in got)
+            code, k, _ = core.locate_batch(base, length, 4096, root, depth, [5, 10**6], 0, 600, None, False)
+            assert (code, k) == (_native.NOTFOUND, 1)
+    finally:
+        env.close()
