@@ -394,7 +394,13 @@ class CachedDataset(Dataset[Any]):
             store.flush()  # pickled for spawn workers: let them see what this process decoded
         state = self.__dict__.copy()
         state["_store"] = None  # configuration only: each process opens its own environment
+        state["_policy"] = tuple(self._policy)  # a plain tuple: the pickle names no private class
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A dataset pickled by an older lmdbcache lacks the attributes added since: each gets the
+        # value that version meant (tests/test_layout.py unpickles one pickled by 0.3).
+        self.__dict__.update({"_freeze_gc": None, **state, "_policy": Policy(*state["_policy"])})
 
     def __getattr__(self, name: str) -> Any:
         # Public attributes of the wrapped dataset (e.g. ``classes``) read through. Private and

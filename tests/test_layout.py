@@ -179,3 +179,33 @@ def test_architecture_doc_names_every_module_and_part():
     actual = {str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")}
     assert actual - named == set(), f"not in docs/architecture.md: {sorted(actual - named)}"
     assert named - actual == set(), f"in docs/architecture.md but gone: {sorted(named - actual)}"
+
+
+def test_a_dataset_pickled_before_the_move_still_unpickles_and_reads(tmp_path):
+    """A CachedDataset pickled by main before the layout (0.3, commit 8c378a4; it names lmdbcache._commit.Policy)
+    unpickles and reads its cache (tests/data/pickled-0.3: the pickle and the 12-sample cache it was opened on)."""
+    import os
+    import pickle
+    import shutil
+
+    from helpers import assert_same, sample_for
+
+    data = Path(__file__).parent / "data" / "pickled-0.3"
+    recorded = "/tmp/lmdbcache-pickled-by-0.3/cache.lmdb"  # the absolute path the pickle holds
+    if os.path.exists(recorded):
+        shutil.rmtree(recorded)
+    os.makedirs(recorded)
+    shutil.copy(data / "data.mdb", recorded)
+    try:
+        with open(data / "dataset.pkl", "rb") as f:
+            ds = pickle.load(f)
+        assert (ds.path, ds.fingerprint, len(ds)) == (recorded, "pickled-by-main-8c378a4", 12)
+        for i in range(12):
+            assert_same(ds[i], sample_for(i))  # index 0 from the cache, the others decoded and filled
+        assert ds.cached_count == 12
+        again = pickle.loads(pickle.dumps(ds))
+        assert_same(again[5], sample_for(5))
+        ds.close()
+        again.close()
+    finally:
+        shutil.rmtree(os.path.dirname(recorded), ignore_errors=True)
