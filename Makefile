@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: install ci test test-pure stress demo lint bench clean native-asan fuzz
+.PHONY: install ci test test-pure stress demo lint bench clean native-asan fuzz native-pythons
 
 $(STAMP): pyproject.toml setup.py lmdbcache/_native/_core.c Makefile
 	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
@@ -51,10 +51,49 @@ native-asan: install
 		$(PY) setup.py -q build_ext --inplace --force --build-temp build/asan
 	LD_PRELOAD="$(ASAN_LIB)" ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1 \
 		UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-		$(PY) -m pytest -q -p no:cacheprovider tests/test_native.py tests/stress/test_fuzz_file.py; \
+		$(PY) -m pytest -q -p no:cacheprovider tests/test_native.py tests/test_native_core.py tests/stress/test_fuzz_file.py; \
 		status=$$?; $(PY) setup.py -q build_ext --inplace --force; exit $$status
 
 fuzz: native-asan
+
+# The compiled core on every CPython the package declares (requires-python >= 3.10), not only the venv's: for
+# each pyenv interpreter found (a missing one is skipped with a message), a venv in build/pythons/<version> without
+# torch, the package installed into it (the extension compiled afresh by that interpreter; its output in build.log
+# there), then, run from outside the checkout against that copy, the core's byte-level tests
+# (tests/test_native_core.py: XXH3 against xxhash, the snapshot reader against py-lmdb) and the packaging tests
+# (tests/test_packaging.py: the sdist has _core.c, a wheel built from it is a platform wheel for that version).
+# Fails on a compiler warning or error in _core.c, a core that is not built or that imports torch, or a failed test.
+PYENV_ROOT ?= $(HOME)/.pyenv
+PYTHONS ?= 3.10.13 3.11.7 3.12.1 3.13.0
+NATIVE_TEST_DEPS = setuptools wheel numpy lmdb xxhash pytest pytest-timeout hypothesis msgpack msgpack-numpy filelock \
+	tqdm
+native-pythons:
+	@failed=""; ran=""; \
+	for v in $(PYTHONS); do \
+		py="$(PYENV_ROOT)/versions/$$v/bin/python3"; dir="$(CURDIR)/build/pythons/$$v"; \
+		if [ ! -x "$$py" ]; then echo "== $$v: skipped ($$py not found)"; continue; fi; \
+		echo "== $$v: venv and dependencies in build/pythons/$$v"; ran="$$ran $$v"; \
+		{ [ -x "$$dir/bin/python" ] || "$$py" -m venv "$$dir"; } && \
+		"$$dir/bin/python" -m pip install --quiet --disable-pip-version-check $(NATIVE_TEST_DEPS) || \
+			{ failed="$$failed $$v(deps)"; continue; }; \
+		echo "== $$v: building the extension (log: build/pythons/$$v/build.log)"; \
+		tag=$$("$$dir/bin/python" -c "import sys; print(sys.implementation.cache_tag)"); \
+		rm -rf build/lib.*-$$tag build/temp.*-$$tag; \
+		"$$dir/bin/python" -m pip install -v --disable-pip-version-check --no-deps --no-build-isolation \
+			--force-reinstall . >"$$dir/build.log" 2>&1 || \
+			{ tail -20 "$$dir/build.log"; failed="$$failed $$v(install)"; continue; }; \
+		if grep -E "_core\.c:[0-9]+(:[0-9]+)?: (fatal )?(warning|error)" "$$dir/build.log"; then \
+			failed="$$failed $$v(compiler)"; continue; fi; \
+		(cd "$$dir" && bin/python -c "import sys, lmdbcache._native as n; import lmdbcache._native._core; \
+			assert 'torch' not in sys.modules, 'the core imported torch'; \
+			assert n.NATIVE, 'the compiled core was not built or not imported'; \
+			assert n.core.__file__.startswith(sys.prefix), n.core.__file__; print('   core:', n.core.__file__)") || \
+			{ failed="$$failed $$v(import)"; continue; }; \
+		(cd "$$dir" && bin/python -m pytest -q -p no:cacheprovider -W error \
+			"$(CURDIR)/tests/test_native_core.py" "$(CURDIR)/tests/test_packaging.py") || \
+			failed="$$failed $$v(tests)"; \
+	done; \
+	echo "== native-pythons: ran:$${ran:- none}; failed:$${failed:- none}"; [ -z "$$failed" ]
 
 demo: install
 	$(PY) scripts/demo.py

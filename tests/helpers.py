@@ -274,19 +274,3 @@ def unmount(mount: Any) -> None:
     """Undo a bind mount a test made; detach it lazily if a process still holds it, so none is left behind."""
     if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
         subprocess.run(["umount", "-l", str(mount)], check=True, capture_output=True)
-
-
-def unmount_leftovers(root: str) -> None:
-    """Detach read-only bind mounts that an interrupted test run left under ``root`` (pytest's temp root).
-
-    pytest deletes old temporary directories at the end of a session, and a mount left in one
-    (a run killed mid-test) would fail that with EBUSY and turn a passing session into an error.
-    """
-    try:
-        with open("/proc/self/mounts", encoding="utf-8") as f:
-            points = [line.split()[1].replace("\\040", " ") for line in f]
-    except OSError:
-        return
-    for point in points:
-        if point.startswith(root.rstrip("/") + "/") and point.endswith("-ro"):
-            subprocess.run(["umount", "-l", point], capture_output=True)

@@ -1,4 +1,5 @@
-"""The compiled core (``lmdbcache._native``): the switch, and each native piece against its Python reference."""
+"""The compiled core (``lmdbcache._native``): the switch, the loader's batch path and ``fill`` against the Python
+reference. The byte-level pieces that need no torch (XXH3-64, the snapshot reader) are in tests/test_native_core.py."""
 
 from __future__ import annotations
 
@@ -13,18 +14,13 @@ import threading
 import time
 from typing import Any
 
-import lmdb
 import numpy as np
 import pytest
 import torch
 from helpers import Listed, Synthetic, key, raw_cache
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from xxhash import xxh3_64_intdigest
 
 from lmdbcache import CachedDataset, CorruptSampleError, LmdbCacheError, _native, codec
 from lmdbcache.loader._gather import Buffers, Layout
-from lmdbcache.store._guard import MapGuard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 core = _native.core
@@ -72,238 +68,6 @@ def test_import_failure_warns_once() -> None:
     assert len(lines) == 2, lines
     assert lines[1].startswith("LmdbCacheWarning |")
     assert "pure-Python path is used" in lines[1] and "pip install" in lines[1]
-
-
-@needs_core
-def test_core_is_the_built_extension() -> None:
-    """The core found is the compiled module inside the package."""
-    assert core is not None and _native.NATIVE
-    assert core.__name__ == "lmdbcache._native._core"
-    assert core.__file__.endswith((".so", ".pyd"))
-
-
-# ----------------------------------------------------------------------------------------
-# XXH3-64 (the codec's checksums) against the xxhash package
-
-
-@needs_core
-def test_xxh3_every_small_length() -> None:
-    """xxh3_64 equals xxhash's on random inputs of every length 0..2000 (every length class), seeded and not."""
-    rng = random.Random(24)
-    for n in range(2001):
-        data = rng.randbytes(n)
-        for seed in (0, rng.getrandbits(64)):
-            assert core.xxh3_64(data, seed) == xxh3_64_intdigest(data, seed), (n, seed)
-
-
-@needs_core
-@pytest.mark.parametrize("n", [1 << 20, (1 << 20) + 7, 3 * 224 * 224 + 1, 1023, 1024, 1025, 4096 + 63])
-def test_xxh3_large(n: int) -> None:
-    """xxh3_64 equals xxhash's over many blocks and stripes, the GIL released, with random u64 seeds."""
-    rng = random.Random(n)
-    data = rng.randbytes(n)
-    for seed in (0, 1, 2**64 - 1, rng.getrandbits(64)):
-        assert core.xxh3_64(data, seed) == xxh3_64_intdigest(data, seed)
-    assert core.xxh3_64(bytearray(data)) == core.xxh3_64(memoryview(data)) == xxh3_64_intdigest(data)
-
-
-@needs_core
-@given(data=st.binary(max_size=600), seed=st.integers(min_value=0, max_value=2**64 - 1))
-@settings(max_examples=300, deadline=None)
-def test_xxh3_hypothesis(data: bytes, seed: int) -> None:
-    """xxh3_64 equals xxhash's on arbitrary short inputs and seeds."""
-    assert core.xxh3_64(data, seed) == xxh3_64_intdigest(data, seed)
-
-
-@needs_core
-def test_xxh3_arguments() -> None:
-    """Seeds wrap modulo 2**64 as xxhash's do; non-buffers and wrong arity raise TypeError."""
-    for seed in (-1, 2**64, 2**65 + 3):
-        assert core.xxh3_64(b"abc", seed) == xxh3_64_intdigest(b"abc", seed)
-    assert core.xxh3_64(np.arange(10, dtype=np.int64)) == xxh3_64_intdigest(np.arange(10, dtype=np.int64).tobytes())
-    with pytest.raises(TypeError):
-        core.xxh3_64("text")
-    with pytest.raises(TypeError):
-        core.xxh3_64()
-    with pytest.raises(TypeError):
-        core.xxh3_64(b"", 0, 1)
-
-
-# ----------------------------------------------------------------------------------------
-# The snapshot reader (open_tree, locate) against py-lmdb on real environments
-
-_KEY = struct.Struct(">Q").pack
-
-
-def _value_for(i: int, rng: random.Random) -> bytes:
-    """Mostly inline values of a few to 2000 bytes; one in 16 on overflow pages (up to 40 KB)."""
-    size = rng.randrange(20_000, 40_000) if i % 16 == 0 else rng.randrange(0, 2000)
-    return rng.randbytes(size)
-
-
-def _located(env: lmdb.Environment, path: str, name: bytes = b"samples") -> dict[bytes, bytes | None]:
-    """Every key of ``name`` as the native reader finds it in a fresh read transaction, checked as it goes."""
-    guard = MapGuard(os.path.join(path, "data.mdb"), env.stat()["psize"])
-    base, length, _ = guard.mapping()
-    assert base and length
-    psize = env.stat()["psize"]
-    db = env.open_db(name)
-    out: dict[bytes, bytes | None] = {}
-    with env.begin(buffers=True) as txn:
-        code, root, depth = core.open_tree(base, length, psize, txn.id(), name)
-        assert code == 0, _native.reason(code)
-        assert depth == txn.stat(db)["depth"]
-        for key, value in txn.cursor(db=db):
-            code, offset, size = core.locate(base, length, psize, root, depth, bytes(key))
-            assert code == 0, (bytes(key), _native.reason(code))
-            assert offset + size <= length
-            got = ctypes.string_at(base + offset, size)
-            assert got == bytes(value)
-            out[bytes(key)] = got
-        for missing in (_KEY(10**9), b"\xff" * 9, _KEY(3) + b"P"):
-            if txn.get(missing, db=db) is None:
-                assert core.locate(base, length, psize, root, depth, missing)[0] == _native.NOTFOUND
-        assert core.locate(base, length, psize, root, depth, b"")[0] == _native.NOTFOUND
-    return out
-
-
-@pytest.fixture
-def env_path(tmp_path: Any) -> str:
-    return str(tmp_path / "env")
-
-
-@needs_core
-def test_locate_equals_lmdb_many_keys(env_path: str) -> None:
-    """Every key of a three-level tree with inline and overflow values is found with py-lmdb's bytes."""
-    rng = random.Random(5)
-    env = lmdb.open(env_path, max_dbs=4, map_size=1 << 28, readahead=False)
-    try:
-        db = env.open_db(b"samples")
-        env.open_db(b"meta")
-        with env.begin(write=True) as txn:
-            for i in rng.sample(range(200_000), 40_000):
-                txn.put(_KEY(i), _value_for(i, rng) if i % 3 else b"x" * (i % 40), db=db)
-        with env.begin() as txn:
-            assert txn.stat(db)["depth"] >= 3
-        found = _located(env, env_path)
-        assert len(found) == 40_000
-    finally:
-        env.close()
-
-
-@needs_core
-def test_locate_after_deletes_and_growth(env_path: str) -> None:
-    """After deletes, several commits and map growth (the map moves) every key is still found with py-lmdb's bytes."""
-    rng = random.Random(6)
-    env = lmdb.open(env_path, max_dbs=4, map_size=1 << 20, readahead=False)
-    try:
-        db = env.open_db(b"samples")
-        for round_ in range(6):
-            while True:
-                try:
-                    with env.begin(write=True) as txn:
-                        for i in range(round_ * 3000, (round_ + 1) * 3000):
-                            txn.put(_KEY(i), _value_for(i, rng), db=db)
-                        for i in rng.sample(range((round_ + 1) * 3000), 500):
-                            txn.delete(_KEY(i), db=db)
-                    break
-                except lmdb.MapFullError:
-                    env.set_mapsize(env.info()["map_size"] * 2)
-            with env.begin(buffers=True) as txn:
-                expected = {bytes(k): bytes(v) for k, v in txn.cursor(db=db)}
-            assert _located(env, env_path) == expected
-        assert env.info()["map_size"] > 1 << 20
-    finally:
-        env.close()
-
-
-@needs_core
-def test_open_tree_needs_the_snapshots_meta(env_path: str) -> None:
-    """A transaction whose meta page was reused (two commits since) gets RETRY; an unknown database NOTFOUND."""
-    env = lmdb.open(env_path, max_dbs=4, map_size=1 << 22)
-    try:
-        db = env.open_db(b"samples")
-        guard = MapGuard(os.path.join(env_path, "data.mdb"), 4096)
-        with env.begin(buffers=True) as old:
-            for i in range(2):
-                with env.begin(write=True) as txn:
-                    txn.put(_KEY(i), b"v", db=db)
-            guard.refresh()  # the file grew: pages past the old length are not read
-            base, length, _ = guard.mapping()
-            assert core.open_tree(base, length, 4096, old.id(), b"samples")[0] == _native.RETRY
-        with env.begin(buffers=True) as txn:
-            assert core.open_tree(base, length, 4096, txn.id(), b"samples")[0] == 0
-            assert core.open_tree(base, length, 4096, txn.id(), b"nothere")[0] == _native.NOTFOUND
-            with pytest.raises(ValueError):
-                core.open_tree(0, length, 4096, txn.id(), b"samples")
-            with pytest.raises(ValueError):
-                core.open_tree(base, length, 1000, txn.id(), b"samples")
-    finally:
-        env.close()
-
-
-_DAMAGE_CHILD = r"""
-import ctypes, os, random, shutil, struct, sys
-import lmdb
-from lmdbcache import CachedDataset, CorruptSampleError, LmdbCacheError, _native, codec
-from lmdbcache.loader._gather import Buffers, Layout
-from lmdbcache.store._guard import MapGuard
-from lmdbcache.store._guard import MapGuard
-core = _native.core
-src, work, first, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-data = open(os.path.join(src, "data.mdb"), "rb").read()
-keys = [struct.pack(">Q", i) for i in range(3000)]
-seen = {}
-for seed in range(first, first + count):
-    rng = random.Random(seed)
-    bad = bytearray(data)
-    for _ in range(rng.choice((1, 4, 32))):
-        at = rng.randrange(2 * 4096, len(bad))  # meta pages intact: py-lmdb opens the copy
-        if rng.random() < 0.5:
-            bad[at] ^= 1 << rng.randrange(8)
-        else:
-            bad[at : at + 2] = rng.randbytes(2)
-    os.makedirs(work, exist_ok=True)
-    open(os.path.join(work, "data.mdb"), "wb").write(bad)
-    print(seed, flush=True)
-    env = lmdb.open(work, max_dbs=4, readonly=True, lock=False)
-    base, length, _ = MapGuard(os.path.join(work, "data.mdb"), 4096).mapping()
-    with env.begin(buffers=True) as txn:
-        code, root, depth = core.open_tree(base, length, 4096, txn.id(), b"samples")
-        seen[code] = seen.get(code, 0) + 1
-        if code == 0:
-            for key in keys:
-                code, offset, size = core.locate(base, length, 4096, root, depth, key)
-                seen[code] = seen.get(code, 0) + 1
-                if code == 0:
-                    assert offset + size <= length
-                    ctypes.string_at(base + offset, size)  # touch every byte: inside the file
-    env.close()
-    shutil.rmtree(work)
-print("codes", sorted(seen.items()))
-"""
-
-
-@needs_core
-def test_damaged_files_never_crash_the_reader(env_path: str, tmp_path: Any) -> None:
-    """Random damage to tree pages gives error codes or in-file spans, never a crash (a child process per run)."""
-    rng = random.Random(7)
-    env = lmdb.open(env_path, max_dbs=4, map_size=1 << 26)
-    db = env.open_db(b"samples")
-    with env.begin(write=True) as txn:
-        for i in range(3000):
-            txn.put(_KEY(i), _value_for(i, rng), db=db)
-    env.close()
-    out = subprocess.run(
-        [sys.executable, "-c", _DAMAGE_CHILD, env_path, str(tmp_path / "bad"), "0", "150"],
-        env={**os.environ, "PYTHONPATH": ROOT},
-        capture_output=True,
-        text=True,
-        timeout=170,
-    )
-    assert out.returncode == 0, f"died after seed {out.stdout.split()[-1:]}: {out.stderr[-2000:]}"
-    codes = dict(eval(out.stdout.splitlines()[-1][len("codes ") :]))
-    assert codes.get(0) and any(code >= 16 for code in codes), codes
 
 
 # ----------------------------------------------------------------------------------------
@@ -696,37 +460,3 @@ def test_fill_refuses_bad_arguments_before_copying() -> None:
     with pytest.raises(ValueError):
         core.fill(at, len(value), blob, 0, 2, plan, buffers.flat, buffers.scalar_view)  # 2 rows, 1 span
     assert core.fill(at, len(value) - 1, blob, 0, 1, plan, buffers.flat, buffers.scalar_view) == (5, 0)
-
-
-@needs_core
-def test_locate_batch_equals_locate_cold_and_warm(env_path: str) -> None:
-    """locate_batch finds what locate finds, with the cold-value advice on (file pages dropped first) and off."""
-    rng = random.Random(9)
-    env = lmdb.open(env_path, max_dbs=4, map_size=1 << 26, readahead=False)
-    try:
-        db = env.open_db(b"samples")
-        with env.begin(write=True) as txn:
-            for i in range(600):
-                txn.put(_KEY(i), _value_for(i, rng), db=db)
-        base, length, _ = MapGuard(os.path.join(env_path, "data.mdb"), 4096).mapping()
-        indices = rng.sample(range(600), 600)
-        with env.begin(buffers=True) as txn:
-            code, root, depth = core.open_tree(base, length, 4096, txn.id(), b"samples")
-            assert code == 0
-            want = [core.locate(base, length, 4096, root, depth, _KEY(i))[1:] for i in indices]
-            fd = os.open(os.path.join(env_path, "data.mdb"), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold: the advice is given
-            finally:
-                os.close(fd)
-            for advise in (16384, 0):
-                code, k, blob = core.locate_batch(base, length, 4096, root, depth, indices, 0, 600, None, False, advise)
-                assert code == 0
-                got = [struct.unpack_from("<QQQB", blob, 32 * j) for j in range(len(indices))]
-                assert [(o, s) for o, s, _, _ in got] == want
-                assert [i for _, _, i, _ in got] == indices and all(check for *_, check in got)
-                assert all(ctypes.string_at(base + o, s) == bytes(txn.get(_KEY(i), db=db)) for o, s, i, _ in got)
-            code, k, _ = core.locate_batch(base, length, 4096, root, depth, [5, 10**6], 0, 600, None, False)
-            assert (code, k) == (_native.NOTFOUND, 1)
-    finally:
-        env.close()

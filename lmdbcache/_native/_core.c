@@ -20,7 +20,7 @@
 /* ------------------------------------------------------------------------------------------
  * XXH3-64, written from the published specification (xxHash's doc/xxhash_spec.md, "XXH3
  * algorithm"): the codec's structure and data checksums (``xxhash.xxh3_64_intdigest``).
- * Checked against the xxhash package on every length 0..2000 and larger ones (tests/test_native.py).
+ * Checked against the xxhash package on every length 0..2000 and larger ones (tests/test_native_core.py).
  */
 
 #define P32_1 0x9E3779B1U
