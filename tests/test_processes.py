@@ -576,7 +576,7 @@ def test_a_killed_workers_marker_is_cleared_by_the_next_sync_and_survives_a_rebo
 PRECOMPUTE_INTERRUPT_SCRIPT = """
 import os, signal, sys
 from helpers import Synthetic
-from lmdbcache import _fs
+from lmdbcache.store import _fs
 from lmdbcache.tools.cli import main
 
 real_sync = _fs.sync_data_file

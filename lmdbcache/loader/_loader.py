@@ -104,7 +104,7 @@ def _user_stacklevel() -> int:
     ``Loader(...)`` and ``ds.loader(...)`` reach the warning through different depths; a fixed
     stacklevel named ``dataset.py`` for the second. (Python 3.12's ``skip_file_prefixes`` does this.)
     """
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # lmdbcache/, not loader/
     frame = inspect.currentframe()
     if frame is None:  # an interpreter without frame objects: the caller's caller, as before
         return 2
