@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 import os
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -305,9 +305,10 @@ class CachedDataset(Dataset[Any]):
                 f"Index {indices[0]} is not in cache '{self.path}' and there is no source dataset to decode it from. "
                 "Build the cache completely first (`lmdbcache precompute`), or pass the source dataset."
             )
-        raws = self._read_source(indices)
         out = []
-        for i, raw in zip(indices, raws):
+        # Each sample is queued as soon as the source returns it: a worker told to end (SIGTERM at the
+        # script's exit, see store/_registry.py) mid-batch keeps what it already decoded.
+        for i, raw in self._source_samples(indices):
             value = encode(raw, i)
             store.add(i, store.compress(value), self._build, self._policy)
             # Decoded from the bytes just stored: exactly what a later hit returns (same types,
@@ -316,22 +317,27 @@ class CachedDataset(Dataset[Any]):
         return out
 
     def _read_source(self, indices: list[int]) -> list[Any]:
+        return [raw for _, raw in self._source_samples(indices)]
+
+    def _source_samples(self, indices: list[int]) -> Iterator[tuple[int, Any]]:
+        """(index, sample) from the source, each as soon as it is read (the source's ``__getitems__``: all at once)."""
         source = self.dataset
         getitems = getattr(source, "__getitems__", None)
         if getitems is not None and len(indices) > 1:
             try:
-                return list(getitems(indices))
+                raws = list(getitems(indices))
             except Exception as exc:
                 add_note(exc, f"lmdbcache: raised by the source dataset's __getitems__ for indices {indices}")
                 raise
-        raws = []
+            yield from zip(indices, raws)
+            return
         for i in indices:
             try:
-                raws.append(source[i])
+                raw = source[i]
             except Exception as exc:
                 add_note(exc, f"lmdbcache: raised by the source dataset reading index {i} (cache '{self.path}')")
                 raise
-        return raws
+            yield i, raw
 
     def _spot_check(self, store: Store, count: int) -> None:
         """Re-decode ``count`` random cached indices and compare them with the cache (see ``spot_check``)."""

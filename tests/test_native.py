@@ -460,3 +460,27 @@ def test_fill_refuses_bad_arguments_before_copying() -> None:
     with pytest.raises(ValueError):
         core.fill(at, len(value), blob, 0, 2, plan, buffers.flat, buffers.scalar_view)  # 2 rows, 1 span
     assert core.fill(at, len(value) - 1, blob, 0, 1, plan, buffers.flat, buffers.scalar_view) == (5, 0)
+
+
+@pytest.mark.skipif(_native.core is None, reason="the compiled core is not built")
+def test_a_snapshot_that_keeps_moving_falls_back_to_a_live_transaction(tmp_path: Any, monkeypatch: Any) -> None:
+    """open_tree answering RETRY every time (a writer reusing the meta page under each attempt) makes the core give
+    up and the Python path read the batch, in a live transaction (the attack: it read in the one just dropped)."""
+    ds = CachedDataset(Synthetic(40), tmp_path / "c")
+    for i in range(40):
+        ds[i]
+    ds.close()
+    real = _native.core
+
+    class Busy:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def open_tree(self, *args: Any) -> tuple[int, int, int]:
+            return (_native.RETRY, 0, 0)
+
+    monkeypatch.setattr(_native, "core", Busy())
+    reader = CachedDataset.open(tmp_path / "c")
+    labels = [int(label) for _, batch in reader.loader(8) for label in batch]
+    assert sorted(labels) == list(range(40))
+    reader.close()

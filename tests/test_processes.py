@@ -668,3 +668,41 @@ def test_freeze_worker_gc_must_be_none_or_a_bool(cache_dir):
     for bad in (1, "yes"):
         with pytest.raises(InvalidOptionError, match="freeze_worker_gc must be None"):
             CachedDataset(Synthetic(8), cache_dir, freeze_worker_gc=bad)
+
+
+MID_BATCH_EXIT_SCRIPT = """
+import os, sys, time, torch
+from torch.utils.data import DataLoader, Dataset
+from lmdbcache import CachedDataset
+
+class Slow(Dataset):
+    def __init__(self, log):
+        self.log = log
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        time.sleep(0.2)  # an expensive decode
+        with open(self.log, "a") as f:
+            f.write(f"{i}\\n")
+        return torch.full((3, 5), i, dtype=torch.uint8), i
+
+if __name__ == "__main__":
+    ds = CachedDataset(Slow(sys.argv[2]), sys.argv[1])
+    loader = DataLoader(ds, batch_size=8, num_workers=2, persistent_workers=True, multiprocessing_context="fork")
+    batches = iter(loader)
+    next(batches)
+    time.sleep(0.7)  # the workers are a few samples into their next batch when the script ends
+"""
+
+
+def test_a_worker_ended_mid_batch_keeps_every_sample_it_decoded(cache_dir, tmp_path):
+    """SIGTERM at the script's end lands inside the source's __getitem__: the batch's samples read before it are
+    committed anyway (each is queued as soon as it is read; the attack found up to batch_size - 1 lost per worker)."""
+    log = tmp_path / "decoded.log"
+    run_script(MID_BATCH_EXIT_SCRIPT, str(cache_dir), str(log))
+    decoded = {int(line) for line in log.read_text().split()}
+    ds = CachedDataset.open(cache_dir)
+    assert len(decoded) > 16 and ds.cached_count == len(decoded)
+    for i in decoded:
+        assert int(ds[i][1]) == i
+    ds.close()

@@ -297,10 +297,11 @@ class ReadPath(Handle):
                 raise self.mismatch(build)
             txn = self._reader()
             verified = self._verified
-            if _native.core is not None and (spans := native_spans(self, txn, indices, always)) is not None:
-                if spans is MISSING:
-                    return MISSING
-                return copy_native(self, spans, copy, verified)
+            if _native.core is not None:
+                spans = native_spans(self, txn, indices, always)
+                if spans is not None:
+                    return MISSING if spans is MISSING else copy_native(self, spans, copy, verified)
+                txn = self._reader()  # the core may have renewed the transaction (a reused meta page) before giving up
             value = self._value
             views: list[Any] = []
             checks: list[bool] = []
