@@ -44,7 +44,9 @@ stress: install
 # The compiled core (lmdbcache/_native/_core.c) built with AddressSanitizer and UndefinedBehaviorSanitizer, then its
 # own tests and the damaged-file fuzz run against it: any report fails the run (halt_on_error). The ASan runtime is
 # preloaded because the interpreter itself is not built with it. The plain module is rebuilt afterwards.
-ASAN_LIB = $(shell gcc -print-file-name=libasan.so)
+# libstdc++ too: with only the ASan runtime preloaded, a C++ exception thrown inside torch aborts (CHECK failed:
+# real___cxa_throw), which would look like a crash of ours.
+ASAN_LIB = $(shell gcc -print-file-name=libasan.so) $(shell gcc -print-file-name=libstdc++.so.6)
 SANITIZE = -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 native-asan: install
 	LMDBCACHE_CFLAGS="$(SANITIZE) -O1 -g" LMDBCACHE_LDFLAGS="$(SANITIZE)" \

@@ -484,3 +484,46 @@ def test_a_snapshot_that_keeps_moving_falls_back_to_a_live_transaction(tmp_path:
     labels = [int(label) for _, batch in reader.loader(8) for label in batch]
     assert sorted(labels) == list(range(40))
     reader.close()
+
+
+def _lmdb_fields_lmdb_reads_past(path: Any, what: str) -> None:
+    """Damage a field LMDB's own read does not use (the attack's finding 3): the samples database's depth, or
+    every overflow page's page count (mp_pages)."""
+    data_path = os.path.join(path, "data.mdb")
+    with open(data_path, "rb") as f:
+        d = bytearray(f.read())
+    ps = 4096
+    meta = 0 if struct.unpack_from("<Q", d, 144)[0] > struct.unpack_from("<Q", d, ps + 144)[0] else ps
+    if what == "depth":
+        p = struct.unpack_from("<Q", d, meta + 88 + 40)[0] * ps  # the main database's root: one leaf here
+        for k in range((struct.unpack_from("<H", d, p + 12)[0] - 16) // 2):
+            off = struct.unpack_from("<H", d, p + 16 + 2 * k)[0]
+            ks = struct.unpack_from("<H", d, p + off + 6)[0]
+            if bytes(d[p + off + 8 : p + off + 8 + ks]) == b"samples":
+                depth_at = p + off + 8 + ks + 6
+                struct.pack_into("<H", d, depth_at, struct.unpack_from("<H", d, depth_at)[0] + 1)
+    else:
+        for page in range(2, len(d) // ps):
+            if struct.unpack_from("<H", d, page * ps + 10)[0] & 0x04:  # P_OVERFLOW
+                struct.pack_into("<I", d, page * ps + 12, 1)
+    with open(data_path, "wb") as f:
+        f.write(d)
+
+
+@pytest.mark.skipif(_native.core is None, reason="the compiled core is not built")
+@pytest.mark.parametrize("what", ["depth", "overflow pages"])
+def test_a_field_lmdb_does_not_read_is_not_relied_on(tmp_path: Any, monkeypatch: Any, what: str) -> None:
+    """A file LMDB and the Python path read (a database depth off by one, overflow page counts changed) gives the
+    same batches on the core: it checks what a read needs (every span inside the map), not LMDB's bookkeeping."""
+    ds = CachedDataset(Listed([torch.full((3, 32, 32), i, dtype=torch.uint8) for i in range(24)]), tmp_path / "c")
+    for i in range(24):
+        ds[i]
+    ds.close()
+    _lmdb_fields_lmdb_reads_past(tmp_path / "c", what)
+    reader = CachedDataset.open(tmp_path / "c")
+    native = [batch.clone() for batch in reader.loader(8)]
+    monkeypatch.setattr(_native, "core", None)
+    python = list(reader.loader(8))
+    assert len(native) == 3 and all(torch.equal(a, b) for a, b in zip(native, python))
+    assert all(int(native[i // 8][i % 8, 0, 0, 0]) == i for i in range(24))
+    reader.close()

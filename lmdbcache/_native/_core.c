@@ -338,10 +338,12 @@ static int page_at(const Map *m, uint64_t pgno, const uint8_t **out) {
     return LK_OK;
 }
 
-/* The number of nodes of a branch or leaf page, after checking its free-space bounds. */
+/* The number of nodes of a branch or leaf page: its pointer array must lie inside the page. Only what a
+ * read needs is checked, as LMDB reads (NUMKEYS is (lower - header) / 2; ``upper`` is free-space
+ * bookkeeping a read never uses): a file LMDB and the Python path read must read here too (the attack). */
 static int page_keys(const Map *m, const uint8_t *p, unsigned *n) {
-    unsigned lower = le16(p + 12), upper = le16(p + 14);
-    if (lower < PAGE_HEADER || (lower - PAGE_HEADER) % 2 || lower > upper || upper > m->psize) return LK_HEADER;
+    unsigned lower = le16(p + 12);
+    if (lower < PAGE_HEADER || lower > m->psize) return LK_HEADER;
     *n = (lower - PAGE_HEADER) / 2;
     return LK_OK;
 }
@@ -350,7 +352,7 @@ static int page_keys(const Map *m, const uint8_t *p, unsigned *n) {
 static int node_at(const Map *m, const uint8_t *p, unsigned i, const uint8_t **node, const uint8_t **key,
                    unsigned *ksize) {
     unsigned off = le16(p + PAGE_HEADER + 2 * i);
-    if (off < le16(p + 14) || (uint64_t)off + 8 > m->psize) return LK_NODE; /* nodes live in [upper, psize) */
+    if ((uint64_t)off + 8 > m->psize) return LK_NODE; /* the node's header inside the page */
     const uint8_t *nd = p + off;
     unsigned ks = le16(nd + 6);
     if ((uint64_t)off + 8 + ks > m->psize) return LK_KEY;
@@ -367,11 +369,13 @@ static inline int key_cmp(const uint8_t *a, size_t alen, const uint8_t *b, size_
     return alen < blen ? -1 : alen > blen;
 }
 
-/* Find ``key`` in the tree of ``depth`` levels under ``root``: its leaf node, or LK_NOTFOUND, or an error. */
+/* Find ``key`` in the tree under ``root``: its leaf node, or LK_NOTFOUND, or an error. Branch pages are
+ * followed down to a leaf, as LMDB's search does (the stored ``depth`` is not relied on: a file whose depth
+ * field is off by one reads on both paths), for at most MAX_DEPTH levels (a cycle of pages ends there). */
 static int tree_find(const Map *m, uint64_t root, unsigned depth, const uint8_t *key, size_t klen,
                      const uint8_t **leaf_page, const uint8_t **leaf_node) {
+    (void)depth;
     if (root == NO_ROOT) return LK_NOTFOUND;
-    if (depth == 0 || depth > MAX_DEPTH) return LK_TREE;
     uint64_t pgno = root;
     for (unsigned level = 0;; level++) {
         const uint8_t *p, *nd, *k;
@@ -380,9 +384,9 @@ static int tree_find(const Map *m, uint64_t root, unsigned depth, const uint8_t 
         if (rc) return rc;
         uint16_t flags = le16(p + 10);
         if ((rc = page_keys(m, p, &n))) return rc;
-        if (level + 1 < depth) {
+        if (flags & P_BRANCH) {
             /* A branch: the last node whose key is <= key (node 0's key stands for "anything lower"). */
-            if (!(flags & P_BRANCH) || (flags & (P_LEAF | P_LEAF2 | P_OVERFLOW | P_META)) || n == 0) return LK_TREE;
+            if ((flags & (P_LEAF | P_LEAF2 | P_OVERFLOW | P_META)) || n == 0 || level + 1 >= MAX_DEPTH) return LK_TREE;
             unsigned lo = 1, hi = n, best = 0; /* search [lo, hi) */
             while (lo < hi) {
                 unsigned mid = lo + (hi - lo) / 2;
@@ -431,10 +435,10 @@ static int leaf_value(const Map *m, const uint8_t *p, const uint8_t *nd, uint64_
         const uint8_t *ov;
         int rc = page_at(m, pgno, &ov);
         if (rc) return rc == LK_PAGE ? LK_OVERFLOW : rc;
-        if (!(le16(ov + 10) & P_OVERFLOW)) return LK_OVERFLOW;
-        uint64_t pages = le32(ov + 12);
-        /* The value must fit its run of pages, and the run the mapped file. */
-        if (pages == 0 || pages > m->npages - pgno || sz + PAGE_HEADER > pages * m->psize) return LK_OVERFLOW;
+        (void)ov;
+        /* The value must lie inside the mapped file. Its page count (mp_pages) is not relied on: LMDB's read
+         * does not use it either, and a file the Python path reads must read here too. */
+        if (sz > m->len - (pgno * m->psize + PAGE_HEADER)) return LK_OVERFLOW;
         *offset = pgno * m->psize + PAGE_HEADER;
         *size = sz;
         return LK_OK;
@@ -482,7 +486,7 @@ static int open_tree(const Map *m, uint64_t txnid, const uint8_t *name, size_t n
     if (out->flags & ~0x7fu || (out->flags & MDB_DUPSORT) || out->flags & 0x08 /* MDB_INTEGERKEY */ ||
         out->flags & 0x02 /* MDB_REVERSEKEY */)
         return LK_DB; /* keys here compare as plain bytes; lmdbcache opens its databases with no flags */
-    if (out->root == NO_ROOT ? out->depth != 0 : (out->depth == 0 || out->depth > MAX_DEPTH)) return LK_DB;
+    /* The depth is reported, not relied on (tree_find walks to a leaf). */
     return LK_OK;
 }
 
@@ -749,7 +753,18 @@ done:
         PyBuffer_Release(&key);
         return NULL;
     }
-    const uint8_t *spans = (const uint8_t *)PyByteArray_AS_STRING(blob);
+    /* An export of the spans keeps them from being resized or freed by another thread while the GIL is
+     * released (a bytearray refuses to resize while exported); their length was checked above. */
+    Py_buffer held = {0};
+    if (PyObject_GetBuffer(blob, &held, PyBUF_SIMPLE) < 0 || held.len < hi * SPAN) {
+        if (held.obj) PyBuffer_Release(&held);
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "fill: the spans changed size");
+        for (Py_ssize_t f = 0; f < got; f++) PyBuffer_Release(&out[f]);
+        PyBuffer_Release(&scalars);
+        PyBuffer_Release(&key);
+        return NULL;
+    }
+    const uint8_t *spans = (const uint8_t *)held.buf;
     int status = FILL_OK;
     Py_ssize_t j;
     Py_BEGIN_ALLOW_THREADS
@@ -792,6 +807,7 @@ done:
         if (scalar_size) memcpy((uint8_t *)scalars.buf + (uint64_t)j * scalar_size, v + scalars_at, scalar_size);
     }
     Py_END_ALLOW_THREADS
+    PyBuffer_Release(&held);
     for (Py_ssize_t f = 0; f < nfields; f++) PyBuffer_Release(&out[f]);
     PyBuffer_Release(&scalars);
     PyBuffer_Release(&key);
