@@ -672,6 +672,51 @@ static PyObject *py_locate_batch(PyObject *self, PyObject *args) {
     return Py_BuildValue("inN", rc, rc ? k : (Py_ssize_t)0, blob);
 }
 
+PyDoc_STRVAR(py_locate_index_doc,
+             "locate_index(base, length, psize, root, depth, index, pack, dataset_length, advise_min, /)\n"
+             "    -> (code, offset, size)\n\n"
+             "One index located as locate_batch locates each of a batch (its chunk's pack first when pack > 0,\n"
+             "then its single record), for a single read (``ds[i]``): code 0, NOTFOUND or an error code, and\n"
+             "the value's span in the file. A value of advise_min bytes or more (0: none) whose first page is\n"
+             "not in memory is announced to the kernel. The GIL stays held: a warm lookup takes less time\n"
+             "than releasing it would.");
+
+/* An argument of locate_index as a u64 (every one is a non-negative int), or -1 with an exception set. */
+static int u64_arg(PyObject *arg, uint64_t *out) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(arg);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    *out = v;
+    return 0;
+}
+
+static PyObject *py_locate_index(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t a[9]; /* base, length, psize, root, depth, index, pack, dataset_length, advise_min */
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "locate_index() takes exactly 9 arguments");
+        return NULL;
+    }
+    for (int i = 0; i < 9; i++)
+        if (u64_arg(args[i], &a[i]) < 0) return NULL;
+    Map m;
+    if (a[4] > MAX_DEPTH) a[4] = MAX_DEPTH + 1; /* tree_find refuses it (LK_TREE) */
+    if (map_from(&m, a[0], a[1], a[2]) < 0) return NULL;
+    uint64_t offset = 0, size = 0;
+    int rc = locate_index(&m, a[3], (unsigned)a[4], a[5], a[6], a[7], &offset, &size);
+    if (rc == LK_OK && a[8] && size >= a[8]) advise_if_cold(&m, offset, size);
+    PyObject *out = PyTuple_New(3);
+    if (out == NULL) return NULL;
+    PyObject *items[3] = {PyLong_FromLong(rc), PyLong_FromUnsignedLongLong(offset), PyLong_FromUnsignedLongLong(size)};
+    for (int i = 0; i < 3; i++) {
+        if (items[i] == NULL) {
+            for (int j = 0; j < 3; j++) Py_XDECREF(items[j]);
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    for (int i = 0; i < 3; i++) PyTuple_SET_ITEM(out, i, items[i]);
+    return out;
+}
+
 /* fill's outcomes (the row is returned with them). */
 enum { FILL_OK = 0, FILL_OTHER = 1, FILL_STRUCTURE = 2, FILL_LENGTHS = 3, FILL_DATA = 4, FILL_SPAN = 5 };
 
@@ -824,13 +869,14 @@ static PyObject *py_mark_verified(PyObject *self, PyObject *args) {
  * The module. */
 
 /* Bumped whenever the Python side's expectations of this module change. */
-#define CORE_VERSION 1
+#define CORE_VERSION 2
 
 static PyMethodDef core_methods[] = {
     {"xxh3_64", (PyCFunction)(void (*)(void))py_xxh3_64, METH_FASTCALL, py_xxh3_64_doc},
     {"open_tree", py_open_tree, METH_VARARGS, py_open_tree_doc},
     {"locate", py_locate, METH_VARARGS, py_locate_doc},
     {"locate_batch", py_locate_batch, METH_VARARGS, py_locate_batch_doc},
+    {"locate_index", (PyCFunction)(void (*)(void))py_locate_index, METH_FASTCALL, py_locate_index_doc},
     {"fill", py_fill, METH_VARARGS, py_fill_doc},
     {"mark_verified", py_mark_verified, METH_VARARGS, py_mark_verified_doc},
     {NULL, NULL, 0, NULL},
