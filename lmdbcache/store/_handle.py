@@ -209,6 +209,7 @@ class Handle:
         if meta["cache_id"] != self.build:  # else keep the same object: datasets compare by identity
             self.build = meta["cache_id"]
         self._meta, self._meta_raw, self._stale = meta, raw, None
+        self._tree = None  # the core's tree reads with the build's packing and length
         length = meta["length"]
         self._pack, self._length = meta.get("pack", 0), length
         verified = self._verified

@@ -1,9 +1,10 @@
 """The read paths on the compiled core (``lmdbcache._native``): single reads located in one call each, a batch
 located in one call and copied in one per slice.
 
-``ReadPath.get`` and ``get_many`` locate each value with ``core.locate_index`` in the samples tree of the
-kept read transaction, found once per transaction (``native_tree``: ``open_tree`` on its meta page, kept
-as ``_tree`` until the transaction ends) and hand ``decode`` a slice of the guard's view of the map.
+``ReadPath.get`` and ``get_many`` locate each value in one call (``core.Tree.value``: the value's
+view in the map) in the samples tree of the kept read transaction, found once per transaction
+(``native_tree``: ``open_tree`` on its meta page, kept as ``_tree`` until the transaction ends), and
+hand it to ``decode`` as the Python path hands its views.
 
 ``ReadPath.read_batch`` asks here first when the core is built: ``native_spans`` locates every
 value of the batch in the read transaction's snapshot (the core walks LMDB's pages itself, every
@@ -96,19 +97,21 @@ def native_spans(h: Reader, txn: lmdb.Transaction, indices: list[int], always: b
             refreshed = True
             guard.refresh()
             continue
-        raise _damage(h, code, indices[k] if k >= 0 else None, (txn, view, base, length, psize, root, depth))
+        raise _damage(h, code, indices[k] if k >= 0 else None, (txn, view, base, length, psize, root, depth, None))
     return None  # the meta page kept being reused under us: the Python path reads this batch
 
 
 def native_tree(h: Reader, txn: lmdb.Transaction) -> tuple[Any, ...]:
     """The samples tree of the read transaction ``txn`` as the core reads it, found once per transaction.
 
-    ``(txn, view, base, length, psize, root, depth)``, kept as ``h._tree`` until the transaction ends
+    ``(txn, view, base, length, psize, root, depth, value)``, kept as ``h._tree`` until the transaction ends
     (``_drop_reader`` forgets it); ``txn`` in it is a new transaction when the snapshot's meta page was
     reused before the core could read it (the caller then reads in that one: a fresh snapshot). ``view``
     None: the Python path reads in this transaction (no map address known here, no samples database in
-    the snapshot, or its meta page kept being reused). A broken main database is looked at again after
-    the guard finds the map and the file's size again, then raised as damage, worded as the guard's.
+    the snapshot, or its meta page kept being reused). ``value(index)`` (``core.Tree.value``) is a single
+    read: a view of the value in the map, None if it is not stored, or an error code. A broken main
+    database is looked at again after the guard finds the map and the file's size again, then raised as
+    damage, worded as the guard's.
     """
     tree = h._tree
     if tree is not None and tree[0] is txn:
@@ -122,7 +125,8 @@ def native_tree(h: Reader, txn: lmdb.Transaction) -> tuple[Any, ...]:
             break
         code, root, depth = core.open_tree(base, length, guard.page_size, txn.id(), b"samples")
         if code == _native.OK:
-            h._tree = tree = (txn, view, base, length, guard.page_size, root, depth)
+            value = core.Tree(base, length, guard.page_size, root, depth, h._pack, h._length, PREFETCH_MIN).value
+            h._tree = tree = (txn, view, base, length, guard.page_size, root, depth, value)
             return tree
         if code == _native.RETRY:
             h._drop_reader()
@@ -134,7 +138,7 @@ def native_tree(h: Reader, txn: lmdb.Transaction) -> tuple[Any, ...]:
             raise _damage(h, code, None)
         refreshed = True
         guard.refresh()
-    h._tree = tree = (txn, None, 0, 0, 0, 0, 0)
+    h._tree = tree = (txn, None, 0, 0, 0, 0, 0, None)
     return tree
 
 
@@ -147,7 +151,7 @@ def native_lookup(h: Reader, tree: tuple[Any, ...], index: int, code: int = -1) 
     """
     core = _native.core
     assert core is not None
-    txn, view, base, length, psize, root, depth = tree
+    txn, view, base, length, psize, root, depth, _ = tree
     pack, n = h._pack, h._length
     for attempt in range(2):
         if code < 0 or attempt:
@@ -161,7 +165,8 @@ def native_lookup(h: Reader, tree: tuple[Any, ...], index: int, code: int = -1) 
             fresh_base, length, fresh_view = h._guard.mapping()
             if fresh_base:
                 base, view = fresh_base, fresh_view
-                h._tree = (txn, view, base, length, psize, root, depth)
+                value = core.Tree(base, length, psize, root, depth, pack, n, PREFETCH_MIN).value
+                h._tree = (txn, view, base, length, psize, root, depth, value)
     raise _damage(h, code, index, h._tree)
 
 
@@ -169,7 +174,7 @@ def _pack_problem(h: Reader, tree: tuple[Any, ...], index: int) -> str | None:
     """Why the pack holding ``index`` does not hold its value, worded as the Python path's ``_pack.span``."""
     core = _native.core
     assert core is not None
-    _, view, base, length, psize, root, depth = tree
+    _, view, base, length, psize, root, depth, _ = tree
     first = index - index % h._pack
     n = min(h._pack, h._length - first)
     if index - first >= n:

@@ -12,7 +12,7 @@ cursor and announced to the kernel before it is touched, so it is read in one I/
 a page fault per 4 KiB (issue #14). Warm, the advice would cost a 147 KiB read half its speed
 (a syscall walking 37 cached pages), so after ``_COLD_RUN`` fast reads it stops again.
 With the compiled core (``lmdbcache._native``; ``_native_read``), a hit is located in one C call
-instead (``core.locate_index`` in the samples tree the core found once per kept transaction, packs
+instead (``core.Tree.value`` in the samples tree the core found once per kept transaction, packs
 included, every page and span checked against the map on every read) and decoded from a slice of
 the guard's view of the map; everything else above (flags, checksums, misses, errors) is the same.
 A miss is looked up again in a fresh snapshot (unless the read already began one: a miss
@@ -59,7 +59,6 @@ _READER_MAX_AGE = 0.25  # seconds a kept read transaction may pin its snapshot
 _clock = time.perf_counter
 _COLD = 50e-6  # seconds: a large value read slower than this came from the disk (warm: a few us)
 _COLD_RUN = 64  # large reads prefetched after a cold one, each cold read starting the count again
-_PYTHON: Any = object()  # _get_native: the Python path reads this one (the core cannot, here)
 
 
 def _mark(size: int) -> int:
@@ -90,12 +89,23 @@ class ReadPath(Handle):
             fresh = False  # whether this call began the snapshot (then a miss needs no second look)
             if txn is None or _monotonic() >= self._rtxn_expires:
                 txn, fresh = self._reader(), True
-            if _native.core is not None:
-                found = self._get_native(txn, fresh, index, always)
-                if found is not _PYTHON:
-                    return found
-                txn = self._reader()  # the kept one: native_tree may have begun another
             verified = self._verified
+            if _native.core is not None:  # the compiled core: one call locates the value (_native_read)
+                if (tree := self._tree) is None or tree[0] is not txn:
+                    tree = native_tree(self, txn)
+                    fresh = fresh or tree[0] is not txn  # a new snapshot: a miss in it needs no second look
+                if (value := tree[7]) is not None:
+                    if type(raw := value(index)) is not memoryview:
+                        raw = None if raw is None else native_lookup(self, tree, index, raw)
+                    if raw is None:
+                        return self._queued(index, always) if fresh else self._get_fresh([index], always)[0]
+                    if verified is not None and index < len(verified) and verified[index]:
+                        try:
+                            return _decode(raw, index, verify_data=always)
+                        except CorruptSampleError as exc:
+                            raise self._corrupt(index, exc) from None
+                    return self._decode(raw, index, always)  # the data checksum, then the index marked
+                txn = self._reader()  # the kept one: native_tree may have begun another
             if verified is not None and index < len(verified) and (mark := verified[index]):
                 try:
                     if mark != 1:
@@ -123,32 +133,6 @@ class ReadPath(Handle):
             return self._decode(raw, index, always)
         finally:
             lock.release()
-
-    def _get_native(self, txn: lmdb.Transaction, fresh: bool, index: int, always: bool) -> Any:
-        """``get`` on the compiled core: the value located in one call (``core.locate_index``, packs included, every
-        span checked against the map) in the kept transaction's tree (``native_tree``, found once per transaction),
-        then decoded from a slice of the map as on the Python path; ``_PYTHON`` if that path reads it instead."""
-        tree = self._tree
-        if tree is None or tree[0] is not txn:
-            tree = native_tree(self, txn)
-            if tree[0] is not txn:
-                fresh = True  # a new snapshot: a miss in it needs no second look
-        _, view, base, length, psize, root, depth = tree
-        if view is None:
-            return _PYTHON
-        code, at, size = _native.core.locate_index(  # type: ignore[union-attr]
-            base, length, psize, root, depth, index, self._pack, self._length, PREFETCH_MIN
-        )
-        raw = view[at : at + size] if code == 0 else native_lookup(self, tree, index, code)
-        if raw is None:
-            return self._queued(index, always) if fresh else self._get_fresh([index], always)[0]
-        verified = self._verified
-        if verified is not None and index < len(verified) and verified[index]:
-            try:
-                return _decode(raw, index, verify_data=always)
-            except CorruptSampleError as exc:
-                raise self._corrupt(index, exc) from None
-        return self._decode(raw, index, always)  # bounds checked by the core; the data checksum, then marked
 
     def _reader(self) -> lmdb.Transaction:
         """A read transaction for a hit: the one kept from the last hit if it is fresh.
@@ -309,8 +293,9 @@ class ReadPath(Handle):
             out = []
             for index in indices:
                 if tree is not None:
-                    raw = native_lookup(self, tree, index)
-                    tree = self._tree or tree  # a failed lookup may have found the map again
+                    if type(raw := tree[7](index)) is not memoryview and raw is not None:
+                        raw = native_lookup(self, tree, index, raw)
+                        tree = self._tree or tree  # a failed lookup may have found the map again
                 else:
                     raw = value(txn, index, 0 if verified is None or index >= len(verified) else verified[index])
                 out.append(MISSING if raw is None else decode(raw, index, always))
