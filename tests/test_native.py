@@ -4,6 +4,7 @@ reference. The byte-level pieces that need no torch (XXH3-64, the snapshot reade
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import os
 import random
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -527,3 +529,385 @@ def test_a_field_lmdb_does_not_read_is_not_relied_on(tmp_path: Any, monkeypatch:
     assert len(native) == 3 and all(torch.equal(a, b) for a, b in zip(native, python))
     assert all(int(native[i // 8][i % 8, 0, 0, 0]) == i for i in range(24))
     reader.close()
+
+
+# ----------------------------------------------------------------------------------------
+# Single reads (ds[i], __getitems__) on the core: the same samples and errors as the Python path
+
+
+@contextlib.contextmanager
+def _python_path() -> Iterator[None]:
+    """The pure-Python path for the duration (the core switched off as LMDBCACHE_PURE_PYTHON=1 does)."""
+    import lmdbcache._native.batch as batch_module
+
+    saved = _native.core
+    _native.core = batch_module.core = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _native.core = batch_module.core = saved  # type: ignore[assignment]
+
+
+def _reads(path: str, order: list[int], **options: Any) -> list[Any]:
+    """Every index of ``order`` through ``ds[i]`` (first reads, then verified ones) and ``__getitems__``, in a
+    newly opened dataset (its own verified flags), as bytes."""
+    ds = CachedDataset.open(path, **options)
+    try:
+        out = [_bytes_of(ds[i]) for i in order]
+        out += [_bytes_of(ds[i]) for i in reversed(order)]
+        out += [_bytes_of(s) for s in ds.__getitems__(order)]
+        return out
+    finally:
+        ds.close()
+
+
+def _both_ways(path: str, order: list[int], counting: Any, **options: Any) -> list[Any]:
+    """``_reads`` on the core and on the Python path: equal, and the core really located the values."""
+    before = counting.calls["Tree"]
+    native = _reads(path, order, **options)
+    assert counting.calls["Tree"] > before, counting.calls  # the core's tree of the transaction, then its reads
+    with _python_path():
+        python = _reads(path, order, **options)
+    assert native == python
+    return native
+
+
+@needs_core
+@pytest.mark.parametrize("pack", [0, 8])
+@pytest.mark.parametrize("kind", list(SAMPLE_KINDS))
+def test_single_reads_equal_both_ways(tmp_path: Any, kind: str, pack: int, counting: Any) -> None:
+    """ds[i] and __getitems__ give byte-identical samples on the core and the Python path, every kind, packs."""
+    make = SAMPLE_KINDS[kind]
+    path = str(tmp_path / "c.lmdb")
+    ds = CachedDataset(Listed([make(i) for i in range(37)]), path, pack=pack)
+    ds.__getitems__(list(range(37)))
+    ds.close()
+    order = random.Random(5).sample(range(37), 37)
+    got = _both_ways(path, order, counting)
+    assert got[: len(order)] == [_bytes_of(make(i)) for i in order]
+
+
+@needs_core
+@pytest.mark.parametrize("codec", ["zstd", "lz4"])
+@pytest.mark.parametrize("pack", [0, 8])
+def test_single_reads_of_compressed_values_equal_both_ways(tmp_path: Any, codec: str, pack: int, counting: Any) -> None:
+    """Compressed values (framed, decompressed in Python) read the same through the core, packed or not."""
+    pytest.importorskip(codec if codec == "lz4" else "zstandard")
+
+    def make(i: int) -> Any:
+        return (torch.arange(6000, dtype=torch.int16) % (i + 3), {"i": i}) if i % 3 else (_tensor(i, "uint8", (9,)), i)
+
+    path = str(tmp_path / "c.lmdb")
+    ds = CachedDataset(Listed([make(i) for i in range(30)]), path, pack=pack, compress=codec)
+    ds.__getitems__(list(range(30)))
+    ds.close()
+    got = _both_ways(path, list(range(29, -1, -1)), counting, checksum="always")
+    assert got[:30] == [_bytes_of(make(i)) for i in range(29, -1, -1)]
+
+
+@needs_core
+@pytest.mark.parametrize("version", ["1", "2", "3", "3-zstd"])
+def test_golden_caches_read_the_same_both_ways(tmp_path: Any, version: str, counting: Any) -> None:
+    """The golden caches of formats 1 to 3 (tests/data) decode to their samples through the core as in Python."""
+    import shutil
+
+    from helpers import assert_same, golden_samples
+
+    if version == "3-zstd":
+        pytest.importorskip("zstandard")
+    copy = tmp_path / "golden"
+    copy.mkdir()
+    shutil.copy(os.path.join(ROOT, "tests", "data", f"golden-v{version}", "data.mdb"), copy / "data.mdb")
+    expected = golden_samples(version if version == "3-zstd" else int(version))
+    for native in (True, False):
+        with contextlib.nullcontext() if native else _python_path():
+            before = counting.calls["Tree"]
+            ds = CachedDataset.open(str(copy))
+            for _ in range(2):
+                for i, sample in enumerate(expected):
+                    assert_same(ds[i], sample)
+            for sample, got in zip(expected, ds.__getitems__(list(range(len(expected))))):
+                assert_same(got, sample)
+            ds.close()
+            assert (counting.calls["Tree"] > before) == native
+
+
+@needs_core
+def test_one_tree_per_read_transaction(tmp_path: Any, counting: Any, monkeypatch: Any) -> None:
+    """The core finds the samples tree once per kept read transaction, not once per read."""
+    from lmdbcache.store import _read
+
+    path = str(tmp_path / "c.lmdb")
+    ds = CachedDataset(Synthetic(300), path, pack=16)
+    ds.__getitems__(list(range(300)))
+    ds.close()
+    monkeypatch.setattr(_read, "_READER_MAX_AGE", 60.0)
+    counting.calls.clear()
+    ds = CachedDataset.open(path)
+    for i in random.Random(1).sample(range(300), 300):
+        ds[i]
+    ds.__getitems__(list(range(0, 300, 7)))
+    assert counting.calls["open_tree"] == counting.calls["Tree"] == 1, counting.calls
+    assert ds._live_store()._tree[7] is not None  # the reads went through it
+    ds.close()
+
+
+def _damaged_singles(path: str, index: int, **options: Any) -> list[tuple[type, str]]:
+    """The error of ds[index] and of __getitems__ around it, on the core and on the Python path."""
+    errors = []
+    for native in (True, False):
+        with contextlib.nullcontext() if native else _python_path():
+            for read in (lambda ds: ds[index], lambda ds: ds.__getitems__([3, index])):
+                ds = CachedDataset.open(path, **options)
+                try:
+                    with pytest.raises(LmdbCacheError) as raised:
+                        read(ds)
+                    errors.append((type(raised.value), str(raised.value)))
+                finally:
+                    ds.close()
+    return errors
+
+
+@needs_core
+@pytest.mark.parametrize("checksum", ["once", "always"])
+@pytest.mark.parametrize(("what", "at"), [("data", -1), ("structure", 30), ("header", 10), ("magic", 0)])
+def test_damaged_values_give_the_same_single_read_error_both_ways(tmp_path: Any, checksum: str, what: str, at: int):
+    """A damaged value raises the same error (class and message) from ds[i] and __getitems__ on both paths."""
+    path = tmp_path / "c.lmdb"
+    ds = CachedDataset(Synthetic(24), str(path))
+    ds.__getitems__(list(range(24)))
+    ds.close()
+    with raw_cache(path) as (txn, samples, _):
+        value = bytearray(txn.get(key(13), db=samples))
+        value[at] ^= 0xFF
+        txn.put(key(13), bytes(value), db=samples)
+    errors = _damaged_singles(str(path), 13, checksum=checksum)
+    assert len(set(errors)) == 1 and errors[0][0] is CorruptSampleError, errors
+    assert "index 13" in errors[0][1]
+
+
+@needs_core
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        (lambda v: struct.pack_into("<II", v, 8 + 8 * 3, 8, 1 << 30), "value 3 of the pack spans bytes 8 to"),
+        (lambda v: struct.pack_into("<I", v, 4, 7), "the pack holds 7 values, not 8"),
+        (lambda v: v.__setitem__(slice(0, 4), b"XXXX"), "bad pack magic"),
+        (lambda v: v.__delitem__(slice(40, None)), "shorter than its header"),
+    ],
+)
+def test_damaged_packs_give_the_same_single_read_error_both_ways(tmp_path: Any, edit: Any, words: str) -> None:
+    """A broken pack header raises the same CorruptCacheError (the Python path's words) from both paths."""
+    from lmdbcache import CorruptCacheError
+
+    path = tmp_path / "c.lmdb"
+    ds = CachedDataset(Synthetic(16), str(path), pack=8)
+    ds.__getitems__(list(range(16)))
+    ds.close()
+    with raw_cache(path) as (txn, samples, _):
+        value = bytearray(txn.get(key(8) + b"P", db=samples))
+        edit(value)
+        txn.put(key(8) + b"P", bytes(value), db=samples)
+    errors = _damaged_singles(str(path), 11)
+    assert len(set(errors)) == 1 and errors[0][0] is CorruptCacheError, errors
+    assert "pack holding index 11 (indices 8 to 15)" in errors[0][1] and words in errors[0][1]
+
+
+_SINGLE_RECORD_CHILD = r"""
+import sys
+from lmdbcache import CachedDataset, LmdbCacheError, _native
+core = _native.core
+for native in (True, False):
+    _native.core = core if native else None
+    for read in (lambda ds: ds[5], lambda ds: ds.__getitems__([4, 5])):
+        ds = CachedDataset.open(sys.argv[1])
+        try:
+            read(ds)
+            print("no error")
+        except LmdbCacheError as exc:
+            print(type(exc).__name__, str(exc))
+        ds.close()
+"""
+
+
+@needs_core
+def test_a_record_past_the_file_is_refused_by_single_reads_both_ways(tmp_path: Any) -> None:
+    """A record whose length runs past data.mdb: ds[i] and __getitems__ raise CorruptCacheError on both paths."""
+    path = tmp_path / "c.lmdb"
+    ds = CachedDataset(Listed([(_tensor(i, "uint8", (3, 64, 64)), i) for i in range(24)]), str(path))
+    ds.__getitems__(list(range(24)))
+    ds.close()
+    data = bytearray((path / "data.mdb").read_bytes())
+    needle = struct.pack(">Q", 5)
+    at = data.find(needle)
+    while at >= 0:
+        if data[at - 4] & 0x01:  # F_BIGDATA: its length's high half grows
+            data[at - 6] ^= 0x20
+        at = data.find(needle, at + 1)
+    (path / "data.mdb").write_bytes(bytes(data))
+    out = subprocess.run(
+        [sys.executable, "-c", _SINGLE_RECORD_CHILD, str(path)],
+        env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()[-4:]
+    assert all(line.startswith("CorruptCacheError") and "index 5" in line for line in lines), lines
+
+
+_REBUILD_CHILD = r"""
+import sys, torch
+from lmdbcache import CachedDataset
+from helpers import Listed
+CachedDataset(Listed([(torch.full((4,), -1), -1)] * 50), sys.argv[1], fingerprint="other", overwrite=True).close()
+"""
+
+
+@needs_core
+@pytest.mark.parametrize("native", [True, False])
+def test_a_rebuild_by_another_process_mid_reads_is_seen(tmp_path: Any, native: bool) -> None:
+    """Reading ds[i] while another process rebuilds the cache: old samples until CacheMismatchError, never new ones."""
+    from lmdbcache import CacheMismatchError
+
+    path = str(tmp_path / "c.lmdb")
+    ds = CachedDataset(Synthetic(50), path)
+    ds.__getitems__(list(range(50)))
+    ds.flush()
+    expected = [_bytes_of(ds[i]) for i in range(50)]
+    with contextlib.nullcontext() if native else _python_path():
+        child = subprocess.Popen(
+            [sys.executable, "-c", _REBUILD_CHILD, path],
+            env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.path.join(ROOT, "tests")},
+        )
+        try:
+            with pytest.raises(CacheMismatchError):
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    for i in range(50):
+                        assert _bytes_of(ds[i]) == expected[i]
+                    for k, sample in enumerate(ds.__getitems__(list(range(0, 50, 3)))):
+                        assert _bytes_of(sample) == expected[3 * k]
+        finally:
+            assert child.wait(60) == 0
+    ds.close()
+
+
+@needs_core
+@pytest.mark.parametrize("native", [True, False])
+def test_close_from_another_thread_during_single_reads(tmp_path: Any, native: bool) -> None:
+    """close() from another thread while ds[i] and __getitems__ read: right samples or a library error, no crash."""
+    path = str(tmp_path / "c.lmdb")
+    ds = CachedDataset(_Medium(300), path, fingerprint="medium", pack=4)
+    ds.__getitems__(list(range(300)))
+    ds.flush()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def closer() -> None:
+        while not stop.is_set():
+            ds.close()
+            time.sleep(0.0005)
+
+    with contextlib.nullcontext() if native else _python_path():
+        t = threading.Thread(target=closer)
+        t.start()
+        try:
+            for i in random.Random(2).sample(range(300), 300) * 2:
+                try:
+                    image, label = ds[i] if i % 5 else ds.__getitems__([i])[0]
+                    assert label == i and torch.equal(image, _medium(i)[0]), i
+                except LmdbCacheError as exc:
+                    errors.append(exc)
+        finally:
+            stop.set()
+            t.join()
+    assert len(errors) < 300, errors[:3]  # reads go on between closes (a reopen each time)
+    ds.close()
+
+
+def _check_singles(ds: CachedDataset, indices: list[int], rounds: int, errors: list[BaseException]) -> None:
+    try:
+        for _ in range(rounds):
+            for i in indices:
+                image, label = ds[i] if i % 4 else ds.__getitems__([i])[0]
+                assert label == i and torch.equal(image, _medium(i)[0]), i
+    except BaseException as exc:
+        errors.append(exc)
+
+
+@needs_core
+@pytest.mark.timeout(170)
+def test_threads_read_singles_while_another_process_grows_the_map(tmp_path: Any, counting: Any) -> None:
+    """Two threads read ds[i] on the core while another process commits and grows the map: every sample right."""
+    path = str(tmp_path / "c.lmdb")
+    ds = CachedDataset(_Medium(800), path, fingerprint="medium", map_size=1 << 20)
+    ds.__getitems__(list(range(200)))
+    ds.flush()
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER_CHILD, path, "200", "800"],
+        env={**os.environ, "PYTHONPATH": ROOT},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    errors: list[BaseException] = []
+    try:
+        threads = [
+            threading.Thread(target=_check_singles, args=(ds, random.Random(k).sample(range(200), 200), 6, errors))
+            for k in range(2)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        _, err = writer.communicate(timeout=120)
+    assert writer.returncode == 0, err
+    assert not errors, errors[0]
+    before = counting.calls["Tree"]
+    _check_singles(ds, list(range(800)), 1, errors)  # the whole grown file, read on the core after the growth
+    assert not errors, errors[0]
+    assert counting.calls["Tree"] > before, counting.calls
+    assert os.path.getsize(os.path.join(path, "data.mdb")) > 1 << 20
+    ds.close()
+
+
+_FORK_SINGLES_CHILD = r"""
+import os, sys
+from lmdbcache import CachedDataset, _native
+assert _native.core is not None
+ds = CachedDataset.open(sys.argv[1])
+first = [ds[i][1] for i in range(64)]
+assert ds._live_store()._tree is not None  # the core found its tree in the kept transaction
+pid = os.fork()
+if pid == 0:
+    try:
+        again = [ds[i][1] for i in range(63, -1, -1)][::-1]
+        many = [s[1] for s in ds.__getitems__(list(range(64)))]
+        os._exit(0 if again == first == many == list(range(64)) else 3)
+    except BaseException as exc:
+        print("child:", repr(exc), flush=True)
+        os._exit(4)
+_, status = os.waitpid(pid, 0)
+print("child status", os.waitstatus_to_exitcode(status))
+assert [ds[i][1] for i in range(64)] == first
+"""
+
+
+@needs_core
+def test_fork_after_the_core_found_a_tree(tmp_path: Any) -> None:
+    """A child forked after single reads cached the core's tree reads through its own handle; so does the parent."""
+    path = tmp_path / "c.lmdb"
+    ds = CachedDataset(Synthetic(64), str(path), pack=8)
+    ds.__getitems__(list(range(64)))
+    ds.close()
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore::DeprecationWarning", "-c", _FORK_SINGLES_CHILD, str(path)],
+        env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert "child status 0" in out.stdout, out.stdout

@@ -676,6 +676,116 @@ static PyObject *py_locate_batch(PyObject *self, PyObject *args) {
     return Py_BuildValue("inN", rc, rc ? k : (Py_ssize_t)0, blob);
 }
 
+PyDoc_STRVAR(py_locate_index_doc,
+             "locate_index(base, length, psize, root, depth, index, pack, dataset_length, advise_min, /)\n"
+             "    -> (code, offset, size)\n\n"
+             "One index located as locate_batch locates each of a batch (its chunk's pack first when pack > 0,\n"
+             "then its single record), for a single read (``ds[i]``): code 0, NOTFOUND or an error code, and\n"
+             "the value's span in the file. A value of advise_min bytes or more (0: none) whose first page is\n"
+             "not in memory is announced to the kernel. The GIL stays held: a warm lookup takes less time\n"
+             "than releasing it would.");
+
+/* An argument of locate_index as a u64 (every one is a non-negative int), or -1 with an exception set. */
+static int u64_arg(PyObject *arg, uint64_t *out) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(arg);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    *out = v;
+    return 0;
+}
+
+static PyObject *py_locate_index(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t a[9]; /* base, length, psize, root, depth, index, pack, dataset_length, advise_min */
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "locate_index() takes exactly 9 arguments");
+        return NULL;
+    }
+    for (int i = 0; i < 9; i++)
+        if (u64_arg(args[i], &a[i]) < 0) return NULL;
+    Map m;
+    if (a[4] > MAX_DEPTH) a[4] = MAX_DEPTH + 1; /* tree_find refuses it (LK_TREE) */
+    if (map_from(&m, a[0], a[1], a[2]) < 0) return NULL;
+    uint64_t offset = 0, size = 0;
+    int rc = locate_index(&m, a[3], (unsigned)a[4], a[5], a[6], a[7], &offset, &size);
+    if (rc == LK_OK && a[8] && size >= a[8]) advise_if_cold(&m, offset, size);
+    PyObject *out = PyTuple_New(3);
+    if (out == NULL) return NULL;
+    PyObject *items[3] = {PyLong_FromLong(rc), PyLong_FromUnsignedLongLong(offset), PyLong_FromUnsignedLongLong(size)};
+    for (int i = 0; i < 3; i++) {
+        if (items[i] == NULL) {
+            for (int j = 0; j < 3; j++) Py_XDECREF(items[j]);
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    for (int i = 0; i < 3; i++) PyTuple_SET_ITEM(out, i, items[i]);
+    return out;
+}
+
+/* A snapshot's samples tree, its map and the store's packing fixed at construction (once per read transaction),
+ * so that a single read (``ds[i]``) is one call with one argument: Tree.value(index). */
+typedef struct {
+    PyObject_HEAD Map m;
+    uint64_t root, pack, length, advise_min;
+    unsigned depth;
+} TreeObject;
+
+static PyObject *tree_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    unsigned long long base, len, psize, root, pack, length, advise_min;
+    unsigned int depth;
+    if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
+        PyErr_SetString(PyExc_TypeError, "Tree() takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "KKKKIKKK:Tree", &base, &len, &psize, &root, &depth, &pack, &length, &advise_min))
+        return NULL;
+    TreeObject *t = (TreeObject *)type->tp_alloc(type, 0);
+    if (t == NULL) return NULL;
+    if (map_from(&t->m, base, len, psize) < 0) {
+        Py_DECREF(t);
+        return NULL;
+    }
+    t->root = root;
+    t->depth = depth > MAX_DEPTH ? MAX_DEPTH + 1 : depth; /* tree_find refuses it (LK_TREE) */
+    t->pack = pack;
+    t->length = length;
+    t->advise_min = advise_min;
+    return (PyObject *)t;
+}
+
+PyDoc_STRVAR(tree_value_doc,
+             "value(index, /) -> memoryview | None | int\n\n"
+             "The value of ``index`` located as locate_index locates it: a read-only view of its bytes in the map\n"
+             "(valid while the map is: the caller's read transaction), None if it is not stored, or the error\n"
+             "code. A value of advise_min bytes or more whose first page is not in memory is announced first.");
+
+static PyObject *tree_value(PyObject *self, PyObject *arg) {
+    TreeObject *t = (TreeObject *)self;
+    unsigned long long index = PyLong_AsUnsignedLongLong(arg);
+    if (index == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    uint64_t offset = 0, size = 0;
+    int rc = locate_index(&t->m, t->root, t->depth, index, t->pack, t->length, &offset, &size);
+    if (rc == LK_NOTFOUND) Py_RETURN_NONE;
+    if (rc != LK_OK) return PyLong_FromLong(rc);
+    if (t->advise_min && size >= t->advise_min) advise_if_cold(&t->m, offset, size);
+    /* [offset, offset + size) was checked against the map by locate_index; read-only, format "B": it hashes */
+    return PyMemoryView_FromMemory((char *)(uintptr_t)(t->m.base + offset), (Py_ssize_t)size, PyBUF_READ);
+}
+
+static PyMethodDef tree_methods[] = {
+    {"value", tree_value, METH_O, tree_value_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject TreeType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "lmdbcache._native._core.Tree",
+    .tp_basicsize = sizeof(TreeObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Tree(base, length, psize, root, depth, pack, dataset_length, advise_min, /): the samples tree of\n"
+              "one snapshot (open_tree's root and depth) in the file mapped at base, for single reads (value).",
+    .tp_new = tree_new,
+    .tp_methods = tree_methods,
+};
+
 /* fill's outcomes (the row is returned with them). */
 enum { FILL_OK = 0, FILL_OTHER = 1, FILL_STRUCTURE = 2, FILL_LENGTHS = 3, FILL_DATA = 4, FILL_SPAN = 5 };
 
@@ -840,13 +950,14 @@ static PyObject *py_mark_verified(PyObject *self, PyObject *args) {
  * The module. */
 
 /* Bumped whenever the Python side's expectations of this module change. */
-#define CORE_VERSION 1
+#define CORE_VERSION 2
 
 static PyMethodDef core_methods[] = {
     {"xxh3_64", (PyCFunction)(void (*)(void))py_xxh3_64, METH_FASTCALL, py_xxh3_64_doc},
     {"open_tree", py_open_tree, METH_VARARGS, py_open_tree_doc},
     {"locate", py_locate, METH_VARARGS, py_locate_doc},
     {"locate_batch", py_locate_batch, METH_VARARGS, py_locate_batch_doc},
+    {"locate_index", (PyCFunction)(void (*)(void))py_locate_index, METH_FASTCALL, py_locate_index_doc},
     {"fill", py_fill, METH_VARARGS, py_fill_doc},
     {"mark_verified", py_mark_verified, METH_VARARGS, py_mark_verified_doc},
     {NULL, NULL, 0, NULL},
@@ -866,6 +977,10 @@ PyMODINIT_FUNC PyInit__core(void) {
 #ifdef HAVE_ADVICE
     os_page = sysconf(_SC_PAGESIZE);
 #endif
+    if (PyType_Ready(&TreeType) < 0 || PyModule_AddObjectRef(m, "Tree", (PyObject *)&TreeType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     if (PyModule_AddIntConstant(m, "VERSION", CORE_VERSION) < 0 || PyModule_AddIntConstant(m, "OK", LK_OK) < 0 ||
         PyModule_AddIntConstant(m, "NOTFOUND", LK_NOTFOUND) < 0 || PyModule_AddIntConstant(m, "RETRY", LK_RETRY) < 0) {
         Py_DECREF(m);

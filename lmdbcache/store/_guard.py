@@ -158,6 +158,11 @@ class MapGuard:
         else:
             self.start, self.file_size = start, size
 
+    @property
+    def unreadable(self) -> str:
+        """Why the last refresh could not look at the map (every check fails with it), or ""."""
+        return self._unreadable
+
     def mapping(self) -> tuple[int, int, memoryview]:
         """(address, readable bytes, a view of them) of the file's mapping as last found (0, 0 and an empty view
         when unknown): the native reader's bounds (``lmdbcache._native``); it refreshes and asks again when a

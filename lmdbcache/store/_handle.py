@@ -85,6 +85,8 @@ class Handle:
         self._rtxn_expires = 0.0
         # Packs (views) looked up in that kept transaction, by first index; forgotten with it (_read._pack_of).
         self._packs: dict[int, Any] = {}
+        # Its samples tree as the compiled core reads it (_native_read.native_tree), found once per transaction.
+        self._tree: tuple[Any, ...] | None = None
         # Byte i set: this process has verified index i's data checksum (checksum="once"). A byte
         # rather than a bit per index: N bytes per process is small, and the test is cheaper.
         self._verified: bytearray | None = None
@@ -207,6 +209,7 @@ class Handle:
         if meta["cache_id"] != self.build:  # else keep the same object: datasets compare by identity
             self.build = meta["cache_id"]
         self._meta, self._meta_raw, self._stale = meta, raw, None
+        self._tree = None  # the core's tree reads with the build's packing and length
         length = meta["length"]
         self._pack, self._length = meta.get("pack", 0), length
         verified = self._verified
@@ -315,6 +318,7 @@ class Handle:
 
     def _drop_reader(self) -> None:
         self._packs.clear()  # views into the transaction's snapshot: never used past it
+        self._tree = None
         txn, self._rtxn = self._rtxn, None
         if txn is not None:
             txn.abort()

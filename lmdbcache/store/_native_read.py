@@ -1,4 +1,10 @@
-"""The batch path on the compiled core (``lmdbcache._native``): one call locates a batch, one per slice copies it.
+"""The read paths on the compiled core (``lmdbcache._native``): single reads located in one call each, a batch
+located in one call and copied in one per slice.
+
+``ReadPath.get`` and ``get_many`` locate each value in one call (``core.Tree.value``: the value's
+view in the map) in the samples tree of the kept read transaction, found once per transaction
+(``native_tree``: ``open_tree`` on its meta page, kept as ``_tree`` until the transaction ends), and
+hand it to ``decode`` as the Python path hands its views.
 
 ``ReadPath.read_batch`` asks here first when the core is built: ``native_spans`` locates every
 value of the batch in the read transaction's snapshot (the core walks LMDB's pages itself, every
@@ -17,10 +23,11 @@ import lmdb
 from .. import _native
 from .._native.batch import Spans
 from ..errors import CorruptCacheError, CorruptSampleError
+from ..format import _pack
 from ._guard import PREFETCH_MIN, MapGuard
 from ._lmdb_errors import REBUILD
 
-__all__ = ["MISSING", "copy_native", "native_spans"]
+__all__ = ["MISSING", "copy_native", "native_lookup", "native_spans", "native_tree"]
 
 MISSING: Any = type("Missing", (), {"__repr__": lambda self: "MISSING"})()
 
@@ -33,6 +40,7 @@ class Reader(Protocol):
     _pack: int
     _length: int
     _verified: bytearray | None
+    _tree: tuple[Any, ...] | None
 
     def _drop_reader(self) -> None: ...
 
@@ -89,26 +97,110 @@ def native_spans(h: Reader, txn: lmdb.Transaction, indices: list[int], always: b
             refreshed = True
             guard.refresh()
             continue
-        raise _damage(h, code, indices[k] if k >= 0 else None)
+        raise _damage(h, code, indices[k] if k >= 0 else None, (txn, view, base, length, psize, root, depth, None))
     return None  # the meta page kept being reused under us: the Python path reads this batch
 
 
-def _damage(h: Reader, code: int, index: int | None) -> CorruptCacheError:
+def native_tree(h: Reader, txn: lmdb.Transaction) -> tuple[Any, ...]:
+    """The samples tree of the read transaction ``txn`` as the core reads it, found once per transaction.
+
+    ``(txn, view, base, length, psize, root, depth, value)``, kept as ``h._tree`` until the transaction ends
+    (``_drop_reader`` forgets it); ``txn`` in it is a new transaction when the snapshot's meta page was
+    reused before the core could read it (the caller then reads in that one: a fresh snapshot). ``view``
+    None: the Python path reads in this transaction (no map address known here, no samples database in
+    the snapshot, or its meta page kept being reused). ``value(index)`` (``core.Tree.value``) is a single
+    read: a view of the value in the map, None if it is not stored, or an error code. A broken main
+    database is looked at again after the guard finds the map and the file's size again, then raised as
+    damage, worded as the guard's.
+    """
+    tree = h._tree
+    if tree is not None and tree[0] is txn:
+        return tree
+    core, guard = _native.core, h._guard
+    assert core is not None
+    refreshed = False
+    for _ in range(8):
+        base, length, view = guard.mapping() if guard is not None else (0, 0, None)
+        if not base or guard is None:
+            break
+        code, root, depth = core.open_tree(base, length, guard.page_size, txn.id(), b"samples")
+        if code == _native.OK:
+            value = core.Tree(base, length, guard.page_size, root, depth, h._pack, h._length, PREFETCH_MIN).value
+            h._tree = tree = (txn, view, base, length, guard.page_size, root, depth, value)
+            return tree
+        if code == _native.RETRY:
+            h._drop_reader()
+            txn = h._reader()
+            continue
+        if code == _native.NOTFOUND:
+            break  # no samples database in this snapshot: the Python path says what that means
+        if refreshed:
+            raise _damage(h, code, None)
+        refreshed = True
+        guard.refresh()
+    h._tree = tree = (txn, None, 0, 0, 0, 0, 0, None)
+    return tree
+
+
+def native_lookup(h: Reader, tree: tuple[Any, ...], index: int, code: int = -1) -> Any:
+    """The stored value of ``index`` in ``tree`` (``native_tree``, its view set): a view into the map, or None.
+
+    ``code``: the outcome of a lookup the caller already made (``get`` makes its own); -1: look it up.
+    A lookup that fails is tried once more after the guard looks for the map and the file's size again
+    (another process may have grown the file since); a second failure is damage, worded as the guard's.
+    """
+    core = _native.core
+    assert core is not None
+    txn, view, base, length, psize, root, depth, _ = tree
+    pack, n = h._pack, h._length
+    for attempt in range(2):
+        if code < 0 or attempt:
+            code, at, size = core.locate_index(base, length, psize, root, depth, index, pack, n, PREFETCH_MIN)
+            if code == _native.OK:
+                return view[at : at + size]
+        if code == _native.NOTFOUND:
+            return None
+        if attempt == 0 and h._guard is not None:
+            h._guard.refresh()
+            fresh_base, length, fresh_view = h._guard.mapping()
+            if fresh_base:
+                base, view = fresh_base, fresh_view
+                value = core.Tree(base, length, psize, root, depth, pack, n, PREFETCH_MIN).value
+                h._tree = (txn, view, base, length, psize, root, depth, value)
+    raise _damage(h, code, index, h._tree)
+
+
+def _pack_problem(h: Reader, tree: tuple[Any, ...], index: int) -> str | None:
+    """Why the pack holding ``index`` does not hold its value, worded as the Python path's ``_pack.span``."""
+    core = _native.core
+    assert core is not None
+    _, view, base, length, psize, root, depth, _ = tree
+    first = index - index % h._pack
+    n = min(h._pack, h._length - first)
+    if index - first >= n:
+        return f"index {index} is past the dataset's end"
+    code, at, size = core.locate(base, length, psize, root, depth, _pack.key(first, _pack.TAG))
+    found = _pack.span(view[at : at + size], index - first, n) if code == _native.OK else None
+    return found if isinstance(found, str) else None
+
+
+def _damage(h: Reader, code: int, index: int | None, tree: tuple[Any, ...] | None = None) -> CorruptCacheError:
+    """The error for a failed native lookup (``index`` None: the samples database's), worded as the guard's."""
+    why = (h._guard.unreadable if h._guard is not None else "") or _native.reason(code)
     if index is None:
-        return CorruptCacheError(
-            f"Cache '{h.path}' is damaged: the samples database cannot be read ({_native.reason(code)}). {REBUILD}"
-        )
+        return CorruptCacheError(f"Cache '{h.path}' is damaged: the samples database cannot be read ({why}). {REBUILD}")
     if code == _native.PACK:
         first = index - index % h._pack
         last = min(first + h._pack, h._length) - 1
+        if tree is not None:
+            why = _pack_problem(h, tree, index) or why
         return CorruptCacheError(
             f"Cache '{h.path}' is damaged: the pack holding index {index} (indices {first} to {last}) is "
-            f"broken ({_native.reason(code)}); it was not read. Run `lmdbcache verify --repair {h.path}` "
+            f"broken ({why}); it was not read. Run `lmdbcache verify --repair {h.path}` "
             "to drop it (its samples are decoded again from the source on their next read)."
         )
     return CorruptCacheError(
-        f"Cache '{h.path}' is damaged: the record of index {index} is broken ({_native.reason(code)}); it "
-        f"was not read. {REBUILD}"
+        f"Cache '{h.path}' is damaged: the record of index {index} is broken ({why}); it was not read. {REBUILD}"
     )
 
 

@@ -11,6 +11,10 @@ value (``_guard.PREFETCH_MIN`` bytes or more; flag byte 2 once verified) is look
 cursor and announced to the kernel before it is touched, so it is read in one I/O rather than
 a page fault per 4 KiB (issue #14). Warm, the advice would cost a 147 KiB read half its speed
 (a syscall walking 37 cached pages), so after ``_COLD_RUN`` fast reads it stops again.
+With the compiled core (``lmdbcache._native``; ``_native_read``), a hit is located in one C call
+instead (``core.Tree.value`` in the samples tree the core found once per kept transaction, packs
+included, every page and span checked against the map on every read) and decoded from a slice of
+the guard's view of the map; everything else above (flags, checksums, misses, errors) is the same.
 A miss is looked up again in a fresh snapshot (unless the read already began one: a miss
 costs one read transaction) and in this process's commit queue before it is reported ``MISSING``.
 
@@ -36,7 +40,7 @@ from ..format import _pack, codec
 from ._guard import PREFETCH_MIN
 from ._handle import Handle
 from ._lmdb_errors import REBUILD, translate
-from ._native_read import MISSING, copy_native, native_spans
+from ._native_read import MISSING, copy_native, native_lookup, native_spans, native_tree
 
 __all__ = ["MISSING", "ReadPath"]
 
@@ -86,6 +90,22 @@ class ReadPath(Handle):
             if txn is None or _monotonic() >= self._rtxn_expires:
                 txn, fresh = self._reader(), True
             verified = self._verified
+            if _native.core is not None:  # the compiled core: one call locates the value (_native_read)
+                if (tree := self._tree) is None or tree[0] is not txn:
+                    tree = native_tree(self, txn)
+                    fresh = fresh or tree[0] is not txn  # a new snapshot: a miss in it needs no second look
+                if (value := tree[7]) is not None:
+                    if type(raw := value(index)) is not memoryview:
+                        raw = None if raw is None else native_lookup(self, tree, index, raw)
+                    if raw is None:
+                        return self._queued(index, always) if fresh else self._get_fresh([index], always)[0]
+                    if verified is not None and index < len(verified) and verified[index]:
+                        try:
+                            return _decode(raw, index, verify_data=always)
+                        except CorruptSampleError as exc:
+                            raise self._corrupt(index, exc) from None
+                    return self._decode(raw, index, always)  # the data checksum, then the index marked
+                txn = self._reader()  # the kept one: native_tree may have begun another
             if verified is not None and index < len(verified) and (mark := verified[index]):
                 try:
                     if mark != 1:
@@ -265,10 +285,19 @@ class ReadPath(Handle):
                 raise self.mismatch(build)
             fresh = self._rtxn is None or _monotonic() >= self._rtxn_expires
             txn = self._reader()
+            tree = native_tree(self, txn) if _native.core is not None else None
+            if tree is not None:
+                fresh, txn = fresh or tree[0] is not txn, tree[0]
+                tree = None if tree[1] is None else tree  # None: the Python path reads in this transaction
             value, decode, verified = self._value, self._decode, self._verified
             out = []
             for index in indices:
-                raw = value(txn, index, 0 if verified is None or index >= len(verified) else verified[index])
+                if tree is not None:
+                    if type(raw := tree[7](index)) is not memoryview and raw is not None:
+                        raw = native_lookup(self, tree, index, raw)
+                        tree = self._tree or tree  # a failed lookup may have found the map again
+                else:
+                    raw = value(txn, index, 0 if verified is None or index >= len(verified) else verified[index])
                 out.append(MISSING if raw is None else decode(raw, index, always))
             misses = [k for k, sample in enumerate(out) if sample is MISSING]
             if misses:
