@@ -119,6 +119,8 @@ bench: install
 	$(PY) -m bench.cold --reps 3
 	$(PY) -m bench.compress --reps 3
 	$(PY) -m bench.pack --reps 3
+	$(PY) -m bench.native --reps 5
+	$(PY) -m bench.single --reps 3
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis .ruff_cache .mypy_cache
