@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import subprocess
 import time
@@ -274,3 +275,18 @@ def unmount(mount: Any) -> None:
     """Undo a bind mount a test made; detach it lazily if a process still holds it, so none is left behind."""
     if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
         subprocess.run(["umount", "-l", str(mount)], check=True, capture_output=True)
+
+
+class FreezeCount(Dataset):
+    """Two items, each ``ds[i]`` then a full collection: what ``gc.get_freeze_count()`` is in the worker reading it."""
+
+    def __init__(self, ds: Any) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> int:
+        self.ds[i]
+        gc.collect()  # a full collection, as a worker's allocations set off
+        return gc.get_freeze_count()

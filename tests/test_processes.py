@@ -465,19 +465,9 @@ def test_an_old_object_never_reads_the_build_a_new_object_adopted(cache_dir):
 FREEZE_SCRIPT = """
     import gc, os, sys
     import torch
-    from torch.utils.data import DataLoader, Dataset
-    from helpers import Synthetic
+    from torch.utils.data import DataLoader
+    from helpers import FreezeCount, Synthetic
     from lmdbcache import CachedDataset
-
-    class FreezeCount(Dataset):
-        def __init__(self, ds):
-            self.ds = ds
-        def __len__(self):
-            return 2
-        def __getitem__(self, i):
-            self.ds[i]
-            gc.collect()  # a full collection, as a worker's allocations set off
-            return gc.get_freeze_count()
 
     def frozen_in_plain_child():
         read, write = os.pipe()
@@ -628,19 +618,9 @@ def test_a_marker_of_this_boot_goes_with_verify_a_no_op_precompute_or_info(cache
 
 FREEZE_OPTION_SCRIPT = """
 import gc, sys
-from torch.utils.data import DataLoader, Dataset
-from helpers import Synthetic
+from torch.utils.data import DataLoader
+from helpers import FreezeCount, Synthetic
 from lmdbcache import CachedDataset
-
-class FreezeCount(Dataset):
-    def __init__(self, ds):
-        self.ds = ds
-    def __len__(self):
-        return 2
-    def __getitem__(self, i):
-        self.ds[i]
-        gc.collect()
-        return gc.get_freeze_count()
 
 option = {"None": None, "True": True, "False": False}[sys.argv[2]]
 ds = CachedDataset(Synthetic(8), sys.argv[1], freeze_worker_gc=option)
