@@ -283,7 +283,8 @@ def test_newer_format_is_refused(cache_dir):
 
 
 def test_source_errors_propagate_with_the_index(cache_dir):
-    """A source that raises propagates its own exception, noting the index; nothing half-written remains."""
+    """A source that raises propagates its own exception, noting the index; nothing half-written remains, and the
+    samples of the batch the source returned before it raised are kept (each is queued as it is read)."""
     ds = CachedDataset(Failing(16, bad=5), cache_dir)
     for i in range(5):
         ds[i]
@@ -292,9 +293,10 @@ def test_source_errors_propagate_with_the_index(cache_dir):
     assert any("index 5" in note for note in info.value.__notes__)
     with pytest.raises(ValueError):
         ds.__getitems__([6, 5, 7])
-    assert ds.cached_count == 5
-    ds[6]
-    assert ds.cached_count == 6
+    assert ds.cached_count == 6  # 6 was decoded before 5 raised; 7 was never read
+    assert_same(ds[6], sample_for(6))
+    ds[7]
+    assert ds.cached_count == 7
 
 
 def test_unencodable_sample_writes_nothing(cache_dir):
