@@ -301,10 +301,9 @@ def _check_batches(ds: CachedDataset, indices: list[int], rounds: int, errors: l
         errors.append(exc)
 
 
-@needs_core
-@pytest.mark.timeout(170)
-def test_threads_read_while_another_process_commits_and_grows_the_map(tmp_path: Any, counting: Any) -> None:
-    """Two threads read batches natively while another process commits and grows the map: every batch is right."""
+def _read_while_another_process_grows_the_map(tmp_path: Any, check: Any) -> tuple[CachedDataset, str]:
+    """Two threads run ``check`` over the first 200 of 800 indices while a writer process fills the other 600
+    from a 1 MiB map (growing it); their errors and the writer's failures fail the test."""
     path = str(tmp_path / "c.lmdb")
     ds = CachedDataset(_Medium(800), path, fingerprint="medium", map_size=1 << 20)
     ds.__getitems__(list(range(200)))
@@ -318,7 +317,7 @@ def test_threads_read_while_another_process_commits_and_grows_the_map(tmp_path: 
     errors: list[BaseException] = []
     try:
         threads = [
-            threading.Thread(target=_check_batches, args=(ds, random.Random(k).sample(range(200), 200), 6, errors))
+            threading.Thread(target=check, args=(ds, random.Random(k).sample(range(200), 200), 6, errors))
             for k in range(2)
         ]
         for t in threads:
@@ -329,6 +328,15 @@ def test_threads_read_while_another_process_commits_and_grows_the_map(tmp_path: 
         _, err = writer.communicate(timeout=120)
     assert writer.returncode == 0, err
     assert not errors, errors[0]
+    return ds, path
+
+
+@needs_core
+@pytest.mark.timeout(170)
+def test_threads_read_while_another_process_commits_and_grows_the_map(tmp_path: Any, counting: Any) -> None:
+    """Two threads read batches natively while another process commits and grows the map: every batch is right."""
+    ds, path = _read_while_another_process_grows_the_map(tmp_path, _check_batches)
+    errors: list[BaseException] = []
     assert counting.calls["fill"] > 0 and counting.calls["locate_batch"] > 0
     _check_batches(ds, list(range(800)), 1, errors)  # the whole grown file, read natively after the growth
     assert not errors, errors[0]
@@ -841,30 +849,8 @@ def _check_singles(ds: CachedDataset, indices: list[int], rounds: int, errors: l
 @pytest.mark.timeout(170)
 def test_threads_read_singles_while_another_process_grows_the_map(tmp_path: Any, counting: Any) -> None:
     """Two threads read ds[i] on the core while another process commits and grows the map: every sample right."""
-    path = str(tmp_path / "c.lmdb")
-    ds = CachedDataset(_Medium(800), path, fingerprint="medium", map_size=1 << 20)
-    ds.__getitems__(list(range(200)))
-    ds.flush()
-    writer = subprocess.Popen(
-        [sys.executable, "-c", _WRITER_CHILD, path, "200", "800"],
-        env={**os.environ, "PYTHONPATH": ROOT},
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    ds, path = _read_while_another_process_grows_the_map(tmp_path, _check_singles)
     errors: list[BaseException] = []
-    try:
-        threads = [
-            threading.Thread(target=_check_singles, args=(ds, random.Random(k).sample(range(200), 200), 6, errors))
-            for k in range(2)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-    finally:
-        _, err = writer.communicate(timeout=120)
-    assert writer.returncode == 0, err
-    assert not errors, errors[0]
     before = counting.calls["Tree"]
     _check_singles(ds, list(range(800)), 1, errors)  # the whole grown file, read on the core after the growth
     assert not errors, errors[0]

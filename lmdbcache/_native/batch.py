@@ -30,13 +30,11 @@ FILL_REASONS = {
 }
 
 
-class Checks(Sequence[bool]):
-    """The check flags of a ``Spans`` blob as a sequence of bools (only a fallback reads them one by one)."""
+class _Records(Sequence[Any]):
+    """A sequence over the 32-byte span records of ``blob``: lengths, slices and negative indices in one place."""
 
-    __slots__ = ("blob",)
-
-    def __init__(self, blob: bytearray) -> None:
-        self.blob = blob
+    __slots__ = ()
+    blob: bytearray
 
     def __len__(self) -> int:
         return len(self.blob) // _SPAN.size
@@ -48,10 +46,25 @@ class Checks(Sequence[bool]):
             k += len(self)
         if not 0 <= k < len(self):
             raise IndexError(k)
+        return self._record(k)
+
+    def _record(self, k: int) -> Any:
+        raise NotImplementedError
+
+
+class Checks(_Records):
+    """The check flags of a ``Spans`` blob as a sequence of bools (only a fallback reads them one by one)."""
+
+    __slots__ = ("blob",)
+
+    def __init__(self, blob: bytearray) -> None:
+        self.blob = blob
+
+    def _record(self, k: int) -> bool:
         return bool(self.blob[k * _SPAN.size + 24])
 
 
-class Spans(Sequence[Any]):
+class Spans(_Records):
     """A batch's values located in the map: ``blob`` from ``core.locate_batch``, and the map they lie in.
 
     Valid only while the read transaction and the store's lock that located them are held (as views are).
@@ -62,16 +75,7 @@ class Spans(Sequence[Any]):
     def __init__(self, base: int, length: int, view: memoryview, blob: bytearray) -> None:
         self.base, self.length, self.view, self.blob = base, length, view, blob
 
-    def __len__(self) -> int:
-        return len(self.blob) // _SPAN.size
-
-    def __getitem__(self, k: Any) -> Any:
-        if isinstance(k, slice):
-            return [self[j] for j in range(*k.indices(len(self)))]
-        if k < 0:
-            k += len(self)
-        if not 0 <= k < len(self):
-            raise IndexError(k)
+    def _record(self, k: int) -> Any:
         offset, size, _, _ = _SPAN.unpack_from(self.blob, k * _SPAN.size)
         return self.view[offset : offset + size]
 

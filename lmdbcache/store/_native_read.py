@@ -204,15 +204,20 @@ def _damage(h: Reader, code: int, index: int | None, tree: tuple[Any, ...] | Non
     )
 
 
-def copy_native(h: Reader, spans: Spans, copy: Callable[[Any, Any], Any], verified: bytearray | None) -> Any:
-    """``read_batch``'s copy over located values; indices whose data checksum passed are marked verified."""
+def copied(h: Reader, copy: Callable[[Any, Any], Any], views: Any, checks: Any) -> Any:
+    """``copy(views, checks)``; a ``CorruptSampleError`` carrying an ``index`` is worded as ``get`` words it."""
     try:
-        result = copy(spans, spans.checks())
+        return copy(views, checks)
     except CorruptSampleError as exc:
         where = getattr(exc, "index", None)
         if where is None:
             raise
         raise h._corrupt(where, exc) from None
+
+
+def copy_native(h: Reader, spans: Spans, copy: Callable[[Any, Any], Any], verified: bytearray | None) -> Any:
+    """``read_batch``'s copy over located values; indices whose data checksum passed are marked verified."""
+    result = copied(h, copy, spans, spans.checks())
     if verified is not None and result is not None:
         _native.core.mark_verified(verified, spans.blob, PREFETCH_MIN)  # type: ignore[union-attr]
     return result

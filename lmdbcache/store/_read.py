@@ -40,7 +40,7 @@ from ..format import _pack, codec
 from ._guard import PREFETCH_MIN
 from ._handle import Handle
 from ._lmdb_errors import REBUILD, translate
-from ._native_read import MISSING, copy_native, native_lookup, native_spans, native_tree
+from ._native_read import MISSING, copied, copy_native, native_lookup, native_spans, native_tree
 
 __all__ = ["MISSING", "ReadPath"]
 
@@ -343,13 +343,7 @@ class ReadPath(Handle):
                 views.append(raw)
                 checks.append(always or not known)
                 sizes.append(len(raw))
-            try:
-                result = copy(views, checks)
-            except CorruptSampleError as exc:
-                where = getattr(exc, "index", None)
-                if where is None:
-                    raise
-                raise self._corrupt(where, exc) from None
+            result = copied(self, copy, views, checks)
             if verified is not None and result is not None:
                 for index, checked, size in zip(indices, checks, sizes):
                     if checked and index < len(verified):
