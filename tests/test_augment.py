@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 
 import numpy as np
 import pytest
@@ -10,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from lmdbcache import CachedDataset, InvalidOptionError, Loader
+from lmdbcache import CachedDataset, CorruptSampleError, InvalidOptionError, Loader
 from lmdbcache.augment import CenterCrop, Normalize, RandomHorizontalFlip, RandomResizedCrop, Resize
+from lmdbcache.loader import _fused
 from lmdbcache.loader import augment as aug
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,6 +47,7 @@ def cached(path, **kw) -> CachedDataset:
     ds = CachedDataset(Images(**kw), str(path))
     for _ in ds:  # every sample stored
         pass
+    ds.flush()  # and committed: the batch path reads the file
     return ds
 
 
@@ -148,10 +151,12 @@ PIPELINES = {
 
 @pytest.mark.parametrize("name", sorted(PIPELINES))
 @pytest.mark.parametrize("hwc", [False, True], ids=["chw", "hwc"])
-def test_batches_match_the_torch_reference(tmp_path, read_path, name, hwc):
+def test_batches_match_the_torch_reference(tmp_path, read_path, monkeypatch, name, hwc):
     """Each image equals crop + interpolate + window + flip in torch (within 1 on the core, exact for flips and
     crops without resize), from images of mixed sizes (1x1 to 61x37) into one fixed-size batch; labels pass."""
     ds = cached(tmp_path / "c", hwc=hwc)
+    if read_path == "native":  # every batch through core.augment, none through the torch path
+        monkeypatch.setattr(_fused.Fused, "pure", lambda *a: pytest.fail("the native batch fell back"))
     plan = aug.compile_plan(PIPELINES[name])
     loader = Loader(ds, 8, shuffle=True, seed=7, augment=PIPELINES[name], image_layout="HWC" if hwc else None)
     for epoch in range(2):
@@ -244,3 +249,50 @@ def test_bad_pipelines_are_refused_with_the_fix(tmp_path):
     ds.transform = lambda s: s
     with pytest.raises(InvalidOptionError, match="per-sample transform"):
         Loader(ds, 4, augment=[CenterCrop(8)])
+
+
+def _lie(path, index: int, nbytes: int | None = None, dims: tuple[int, int, int] | None = None) -> None:
+    """Rewrite the stored image shape of ``index`` as a buggy or hostile writer would, checksums made to match."""
+    import xxhash
+    from helpers import key, raw_cache
+
+    with raw_cache(path) as (txn, samples, _):
+        value = bytearray(txn.get(key(index), db=samples))
+        assert value[27:30] == b"T\x01\x03", "the image is the first item of the flat signature"
+        if nbytes is not None:
+            value[30:38] = struct.pack("<Q", nbytes & (2**64 - 1))
+        if dims is not None:
+            value[38:62] = struct.pack("<3Q", *(d & (2**64 - 1) for d in dims))
+        size = struct.unpack_from("<I", value, 4)[0]
+        value[8:16] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(value[24 : 24 + size]), index))
+        txn.put(key(index), bytes(value), db=samples)
+
+
+@pytest.mark.parametrize(
+    "lie",
+    [
+        {"dims": (3, 0, 47)},
+        {"dims": (3, 1 << 40, 47)},
+        {"dims": (3, -1, 47)},
+        {"dims": (3, 34, 47)},
+        {"dims": (3, 1 << 31, 1 << 31)},
+        {"nbytes": 3 * 34 * 47, "dims": (3, 34, 47)},
+        {"nbytes": 0, "dims": (3, 0, 0)},
+        {"nbytes": 1 << 62, "dims": (1 << 20, 1 << 21, 1 << 21)},
+    ],
+    ids=["zero", "huge", "negative", "off-by-a-row", "overflowing", "longer-than-value", "empty", "absurd"],
+)
+def test_hostile_stored_shapes_get_a_corrupt_sample_error(tmp_path, read_path, lie):
+    """A stored image whose shape lies (zero, huge, negative, not its byte count) is refused with an error naming
+    its index, on the core and on the torch path, and the process survives; the batch before it was read."""
+    ds = cached(tmp_path / "c", n=8)
+    ds.close()
+    _lie(tmp_path / "c", 3, **lie)  # index 3: a 33x47 image
+    ds = CachedDataset.open(str(tmp_path / "c"))
+    loader = Loader(ds, 2, augment=[RandomResizedCrop(16), RandomHorizontalFlip()])
+    got = []
+    with pytest.raises(CorruptSampleError) as info:
+        for batch in loader:
+            got.append(batch)
+    assert "index 3 is damaged" in str(info.value)
+    assert len(got) == 1 and got[0][1].tolist() == [0, 1]
