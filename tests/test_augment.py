@@ -296,3 +296,35 @@ def test_hostile_stored_shapes_get_a_corrupt_sample_error(tmp_path, read_path, l
             got.append(batch)
     assert "index 3 is damaged" in str(info.value)
     assert len(got) == 1 and got[0][1].tolist() == [0, 1]
+
+
+class Large(Dataset):
+    """Images of 40 to 300 pixels a side, CHW or HWC: whole 16-row strips and 16-column blocks in the kernel."""
+
+    def __init__(self, hwc: bool) -> None:
+        self.hwc = hwc
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        g = torch.Generator().manual_seed(100 + i)
+        h, w = [(300, 41), (40, 300), (257, 263), (123, 77), (64, 64), (199, 151), (31, 290), (96, 160)][i]
+        image = torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g)
+        return (image.permute(1, 2, 0).contiguous() if self.hwc else image), i
+
+
+@pytest.mark.parametrize("hwc", [False, True], ids=["chw", "hwc"])
+def test_large_images_match_the_torch_reference(tmp_path, read_path, hwc):
+    """Downscaling and upscaling from images up to 300 pixels a side: within 1 of torch's interpolate."""
+    ds = CachedDataset(Large(hwc), str(tmp_path / "c"))
+    for _ in ds:
+        pass
+    ds.flush()
+    for steps in ([RandomResizedCrop(64), RandomHorizontalFlip()], [Resize(72), CenterCrop(64)]):
+        plan = aug.compile_plan(steps)
+        for images, labels in Loader(ds, 4, seed=2, augment=steps, image_layout="HWC" if hwc else "CHW"):
+            for row, index in enumerate(labels.tolist()):
+                image = Large(False)[index][0]
+                want, box = expected(plan, 2, 0, index, image)
+                assert (images[row].int() - want.int()).abs().max().item() <= 1, f"index {index} box {box}"

@@ -13,6 +13,9 @@
  * Written from the published definitions of those operations; no code of an image library. */
 
 #include <math.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 #define AUG_GOLDEN 0x9E3779B97F4A7C15ULL
 #define AUG_MAX_SIDE (1 << 16) /* a resized side past this goes to the torch path */
@@ -146,40 +149,111 @@ static int aug_taps(int64_t in, int64_t out, AugTaps *t) {
     return 0;
 }
 
-static inline uint8_t aug_clip(int32_t v, int prec) {
-    v >>= prec;
-    return (uint8_t)(v < 0 ? 0 : v > 255 ? 255 : v);
-}
-
-/* One channel's box [top, top+h) x [left, left+w) of a plane (pixel step sx, row step sy) resized to rh x rw;
- * rows [y0, y1) and columns [x0, x1) of the resized image go to plane (ow wide), at (y - oy, x - ox). */
 typedef struct {
-    uint8_t *tmp, *plane;
-    int32_t *acc;
-    size_t tmp_size;
+    uint8_t *tmp, *plane, *strip;
+    size_t tmp_size, strip_size;
 } AugScratch;
 
-static void aug_horizontal(const uint8_t *row, int64_t sx, const AugTaps *tx, int64_t x0, int64_t x1, uint8_t *out) {
+/* The loops below are written in fixed-length blocks (16 or 32 lanes) that gcc turns into vector code at -O2;
+ * target_clones adds an AVX2 copy of each, chosen at load time (ifunc), where the CPU has it. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
+#define AUG_CLONES __attribute__((target_clones("avx2", "default")))
+#define AUG_CLONES_O3 __attribute__((target_clones("avx2", "default"), optimize("O3"))) /* reversed copies */
+#else
+#define AUG_CLONES
+#define AUG_CLONES_O3
+#endif
+#define AUG_ROWS 16 /* rows of a horizontal strip */
+#define AUG_COLS 32 /* columns of a vertical block */
+
+static inline uint8_t aug_clip(int32_t v, int prec) {
+    v >>= prec;
+    v = v < 0 ? 0 : v; /* two selects, each a vector min or max */
+    v = v > 255 ? 255 : v;
+    return (uint8_t)v;
+}
+
+/* A 16 x 16 block of bytes transposed: 4 rounds of interleaving row i with row i + 8 (SSE2, in every x86-64). */
+static inline void aug_t16(const uint8_t *src, int64_t sstride, uint8_t *dst, int64_t dstride) {
+#ifdef __SSE2__
+    __m128i a[16], b[16];
+    for (int i = 0; i < 16; i++) a[i] = _mm_loadu_si128((const __m128i *)(src + i * sstride));
+    for (int round = 0; round < 4; round++) {
+        for (int i = 0; i < 8; i++) {
+            b[2 * i] = _mm_unpacklo_epi8(a[i], a[i + 8]);
+            b[2 * i + 1] = _mm_unpackhi_epi8(a[i], a[i + 8]);
+        }
+        memcpy(a, b, sizeof(a));
+    }
+    for (int i = 0; i < 16; i++) _mm_storeu_si128((__m128i *)(dst + i * dstride), a[i]);
+#else
+    for (int i = 0; i < 16; i++)
+        for (int j = 0; j < 16; j++) dst[j * dstride + i] = src[i * sstride + j];
+#endif
+}
+
+/* The horizontal pass of the box's rows [r_lo, r_hi) (src: the box's top-left pixel, steps sx and sy) into
+ * out (xw = x1 - x0 wide), 16 rows at a time: the strip's columns are first gathered into 16-byte groups (a
+ * transpose, by 16 x 16 blocks where it can), so each output column's taps run over 16 rows at once; the
+ * results of 16 columns are transposed back into the rows of out. */
+AUG_CLONES
+static void aug_horizontal(const uint8_t *src, int64_t sx, int64_t sy, int64_t r_lo, int64_t r_hi, const AugTaps *tx,
+                           int64_t x0, int64_t x1, uint8_t *strip, uint8_t *out) {
+    int64_t xw = x1 - x0, c0 = tx->lo[x0], c1 = tx->lo[x1 - 1] + tx->n[x1 - 1];
     int32_t init = 1 << (tx->prec - 1);
-    for (int64_t x = x0; x < x1; x++) {
-        const int16_t *w = tx->w + x * tx->K;
-        const uint8_t *in = row + tx->lo[x] * sx;
-        int32_t acc = init;
-        for (int64_t k = 0; k < tx->n[x]; k++) acc += w[k] * in[k * sx];
-        out[x - x0] = aug_clip(acc, tx->prec);
+    int prec = tx->prec;
+    uint8_t block[16 * AUG_ROWS];
+    for (int64_t r0 = r_lo; r0 < r_hi; r0 += AUG_ROWS) {
+        int64_t R = r_hi - r0 < AUG_ROWS ? r_hi - r0 : AUG_ROWS;
+        int64_t c = c0;
+        if (R == AUG_ROWS && sx == 1)
+            for (; c + 16 <= c1; c += 16) aug_t16(src + r0 * sy + c, sy, strip + (c - c0) * AUG_ROWS, AUG_ROWS);
+        for (int64_t r = 0; r < R; r++) {
+            const uint8_t *row = src + (r0 + r) * sy;
+            for (int64_t cc = c; cc < c1; cc++) strip[(cc - c0) * AUG_ROWS + r] = row[cc * sx];
+        }
+        for (int64_t x = x0; x < x1; x++) {
+            int32_t acc[AUG_ROWS];
+            for (int r = 0; r < AUG_ROWS; r++) acc[r] = init;
+            const uint8_t *in = strip + (tx->lo[x] - c0) * AUG_ROWS;
+            const int16_t *w = tx->w + x * tx->K;
+            for (int64_t k = 0; k < tx->n[x]; k++) {
+                int32_t wk = w[k];
+                for (int r = 0; r < AUG_ROWS; r++) acc[r] += wk * in[k * AUG_ROWS + r];
+            }
+            uint8_t *res = block + ((x - x0) % 16) * AUG_ROWS;
+            for (int r = 0; r < AUG_ROWS; r++) res[r] = aug_clip(acc[r], prec);
+            int64_t first = x - (x - x0) % 16; /* the block's first column */
+            if ((x - x0) % 16 == 15 && R == AUG_ROWS) {
+                aug_t16(block, AUG_ROWS, out + (r0 - r_lo) * xw + (first - x0), xw);
+            } else if ((x - x0) % 16 == 15 || x == x1 - 1) {
+                for (int64_t xx = first; xx <= x; xx++)
+                    for (int64_t r = 0; r < R; r++) out[(r0 - r_lo + r) * xw + (xx - x0)] = block[(xx - first) * AUG_ROWS + r];
+            }
+        }
     }
 }
 
-static void aug_vertical(const uint8_t *tmp, int64_t width, const int16_t *w, int64_t n, int prec, int32_t *acc,
-                         uint8_t *out) {
+/* One output row of the vertical pass: n rows of tmp (width wide) weighted by w, 32 columns at a time. */
+AUG_CLONES
+static void aug_vertical(const uint8_t *tmp, int64_t width, const int16_t *w, int64_t n, int prec, uint8_t *out) {
     int32_t init = 1 << (prec - 1);
-    for (int64_t x = 0; x < width; x++) acc[x] = init;
-    for (int64_t k = 0; k < n; k++) {
-        const uint8_t *in = tmp + k * width;
-        int32_t wk = w[k];
-        for (int64_t x = 0; x < width; x++) acc[x] += wk * in[x];
+    int64_t x = 0;
+    for (; x + AUG_COLS <= width; x += AUG_COLS) {
+        int32_t acc[AUG_COLS];
+        for (int i = 0; i < AUG_COLS; i++) acc[i] = init;
+        for (int64_t k = 0; k < n; k++) {
+            const uint8_t *in = tmp + k * width + x;
+            int32_t wk = w[k];
+            for (int i = 0; i < AUG_COLS; i++) acc[i] += wk * in[i];
+        }
+        for (int i = 0; i < AUG_COLS; i++) out[x + i] = aug_clip(acc[i], prec);
     }
-    for (int64_t x = 0; x < width; x++) out[x] = aug_clip(acc[x], prec);
+    for (; x < width; x++) {
+        int32_t acc = init;
+        for (int64_t k = 0; k < n; k++) acc += w[k] * tmp[k * width + x];
+        out[x] = aug_clip(acc, prec);
+    }
 }
 
 /* One channel (pixel step sx, row step sy) into s->plane (oh x ow, zero outside the resized image). */
@@ -192,20 +266,48 @@ static void aug_channel(const uint8_t *src, int64_t sx, int64_t sy, const int64_
     if (y0 >= y1 || x0 >= x1) return;
     int64_t xw = x1 - x0;
     int64_t r_lo = ty ? ty->lo[y0] : y0, r_hi = ty ? ty->lo[y1 - 1] + ty->n[y1 - 1] : y1;
-    for (int64_t r = r_lo; r < r_hi; r++) {
-        const uint8_t *row = src + (top + r) * sy + left * sx;
-        uint8_t *out = s->tmp + (r - r_lo) * xw;
-        if (tx)
-            aug_horizontal(row, sx, tx, x0, x1, out);
-        else
-            for (int64_t x = x0; x < x1; x++) out[x - x0] = row[x * sx];
+    const uint8_t *box = src + top * sy + left * sx;
+    if (tx) {
+        aug_horizontal(box, sx, sy, r_lo, r_hi, tx, x0, x1, s->strip, s->tmp);
+    } else {
+        for (int64_t r = r_lo; r < r_hi; r++)
+            for (int64_t x = x0; x < x1; x++) s->tmp[(r - r_lo) * xw + x - x0] = box[r * sy + x * sx];
     }
     for (int64_t y = y0; y < y1; y++) {
         uint8_t *out = s->plane + (y - oy) * p->ow + (x0 - ox);
         if (ty)
-            aug_vertical(s->tmp + (ty->lo[y] - r_lo) * xw, xw, ty->w + y * ty->K, ty->n[y], ty->prec, s->acc, out);
+            aug_vertical(s->tmp + (ty->lo[y] - r_lo) * xw, xw, ty->w + y * ty->K, ty->n[y], ty->prec, out);
         else
             memcpy(out, s->tmp + (y - r_lo) * xw, (size_t)xw);
+    }
+}
+
+/* s->plane of channel c into dest: flipped or not, through the table or not, CHW or channels-last. */
+AUG_CLONES_O3
+static void aug_write(const AugPlan *p, const uint8_t *plane, int64_t c, int64_t C, int flip, uint8_t *dest) {
+    int64_t oh = p->oh, ow = p->ow, size = oh * ow;
+    if (p->kind == 0 && !p->channels_last) {
+        uint8_t *d = dest + c * size;
+        if (!flip) {
+            memcpy(d, plane, (size_t)size);
+            return;
+        }
+        for (int64_t y = 0; y < oh; y++)
+            for (int64_t x = 0; x < ow; x++) d[y * ow + ow - 1 - x] = plane[y * ow + x];
+        return;
+    }
+    for (int64_t y = 0; y < oh; y++) {
+        const uint8_t *in = plane + y * ow;
+        for (int64_t x = 0; x < ow; x++) {
+            int64_t dx = flip ? ow - 1 - x : x;
+            int64_t k = p->channels_last ? (y * ow + dx) * C + c : c * size + y * ow + dx;
+            if (p->kind == 0)
+                dest[k] = in[x];
+            else if (p->kind == 1)
+                memcpy(dest + 4 * k, p->lut + 4 * (c * 256 + in[x]), 4);
+            else
+                memcpy(dest + 2 * k, p->lut + 2 * (c * 256 + in[x]), 2);
+        }
     }
 }
 
@@ -225,27 +327,21 @@ static int aug_image(const uint8_t *src, int64_t H, int64_t W, int64_t C, int hw
         s->tmp_size = s->tmp ? need : 0;
         bad = s->tmp == NULL;
     }
+    size_t strip = (size_t)(b[3] * AUG_ROWS); /* the box's columns, 16 rows of them */
+    if (!bad && strip > s->strip_size) {
+        free(s->strip);
+        s->strip = calloc(strip, 1); /* lanes past a strip's last row are computed, never used: initialized */
+        s->strip_size = s->strip ? strip : 0;
+        bad = s->strip == NULL;
+    }
     if (bad) {
         aug_taps_free(&tx), aug_taps_free(&ty);
         return AUG_NOMEM;
     }
-    int64_t oh = p->oh, ow = p->ow, plane = oh * ow;
     for (int64_t c = 0; c < C; c++) {
         const uint8_t *at = hwc ? src + c : src + c * H * W;
         aug_channel(at, hwc ? C : 1, hwc ? W * C : W, b, tx.w ? &tx : NULL, ty.w ? &ty : NULL, p, s);
-        for (int64_t y = 0; y < oh; y++) {
-            const uint8_t *in = s->plane + y * ow;
-            for (int64_t x = 0; x < ow; x++) {
-                int64_t dx = flip ? ow - 1 - x : x;
-                int64_t k = p->channels_last ? (y * ow + dx) * C + c : c * plane + y * ow + dx;
-                if (p->kind == 0)
-                    dest[k] = in[x];
-                else if (p->kind == 1)
-                    memcpy(dest + 4 * k, p->lut + 4 * (c * 256 + in[x]), 4);
-                else
-                    memcpy(dest + 2 * k, p->lut + 2 * (c * 256 + in[x]), 2);
-            }
-        }
+        aug_write(p, s->plane, c, C, flip, dest);
     }
     aug_taps_free(&tx), aug_taps_free(&ty);
     return FILL_OK;
@@ -418,13 +514,12 @@ done:
     Py_ssize_t j = lo;
     Py_BEGIN_ALLOW_THREADS
     s.plane = malloc((size_t)(p.oh * p.ow));
-    s.acc = malloc(sizeof(int32_t) * (size_t)p.ow);
-    if (!s.plane || !s.acc) status = AUG_NOMEM;
+    if (!s.plane) status = AUG_NOMEM;
     for (; status == FILL_OK && j < hi; j++) {
         status = aug_row(&m, (const uint8_t *)held.buf + j * SPAN, &t, &p, out, (uint8_t *)scalars.buf, (uint64_t)j, &s);
         if (status != FILL_OK) break;
     }
-    free(s.plane), free(s.acc), free(s.tmp);
+    free(s.plane), free(s.tmp), free(s.strip);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&held);
     for (Py_ssize_t f = 0; f < t.nfields; f++) PyBuffer_Release(&out[f]);
