@@ -122,6 +122,7 @@ bench: install
 	$(PY) -m bench.native --reps 5
 	$(PY) -m bench.single --reps 3
 	$(PY) -m bench.scale --reps 3
+	$(PY) -m bench.augment --reps 3
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis .ruff_cache .mypy_cache
