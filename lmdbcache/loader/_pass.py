@@ -209,7 +209,9 @@ class Pass:
         """The batch copied from the map (None when it must take the fallback path) and its ring slots."""
         ds, spec = self.ds, self.spec
         if spec.fused is not None:
-            return spec.fused.batch(ds, spec.ring, self.pool, spec.num_threads, (spec.seed, self.epoch), indices)
+            seeds = (spec.seed, self.epoch)
+            batch, slots = spec.fused.batch(ds, spec.ring, self.pool, spec.num_threads, seeds, indices)
+            return (pin_batch(batch) if spec.pin_memory and not slots else batch), slots  # the torch path's batch
         if ds.transform is not None:
             return None, []
         indices = ds.checked_indices(indices)  # a sampler may give numpy or negative indices, or bad ones
