@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install ci test test-pure stress demo lint bench clean native-asan fuzz native-pythons
 
-$(STAMP): pyproject.toml setup.py lmdbcache/_native/_core.c Makefile
+$(STAMP): pyproject.toml setup.py lmdbcache/_native/_core.c lmdbcache/_native/_augment.c Makefile
 	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
 		echo "Using the torch that $(PYTHON) already imports."; \
 		$(PYTHON) -m venv --system-site-packages $(VENV); \
@@ -53,7 +53,7 @@ native-asan: install
 		$(PY) setup.py -q build_ext --inplace --force --build-temp build/asan
 	LD_PRELOAD="$(ASAN_LIB)" ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1 \
 		UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-		$(PY) -m pytest -q -p no:cacheprovider tests/test_native.py tests/test_native_core.py tests/stress/test_fuzz_file.py; \
+		$(PY) -m pytest -q -p no:cacheprovider tests/test_native.py tests/test_native_core.py tests/stress/test_fuzz_file.py tests/test_augment.py; \
 		status=$$?; $(PY) setup.py -q build_ext --inplace --force; exit $$status
 
 fuzz: native-asan
@@ -122,6 +122,7 @@ bench: install
 	$(PY) -m bench.native --reps 5
 	$(PY) -m bench.single --reps 3
 	$(PY) -m bench.scale --reps 3
+	$(PY) -m bench.augment --reps 3
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis .ruff_cache .mypy_cache

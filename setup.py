@@ -19,6 +19,7 @@ setup(
         Extension(
             "lmdbcache._native._core",
             ["lmdbcache/_native/_core.c"],
+            depends=["lmdbcache/_native/_augment.c"],  # included by _core.c
             optional=True,
             extra_compile_args=_FLAGS,
             extra_link_args=os.environ.get("LMDBCACHE_LDFLAGS", "").split(),

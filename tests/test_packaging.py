@@ -35,7 +35,8 @@ def test_sdist_holds_the_c_source_and_no_build_output(sdist: Path) -> None:
     """The sdist has _core.c, setup.py and pyproject.toml (what builds the core), and no compiled file."""
     with tarfile.open(sdist) as tar:
         names = [name.split("/", 1)[1] for name in tar.getnames() if "/" in name]
-    assert {"lmdbcache/_native/_core.c", "setup.py", "pyproject.toml", "lmdbcache/_native/__init__.py"} <= set(names)
+    assert {"lmdbcache/_native/_core.c", "lmdbcache/_native/_augment.c", "setup.py", "pyproject.toml"} <= set(names)
+    assert "lmdbcache/_native/__init__.py" in names
     assert not [name for name in names if name.endswith((".so", ".pyd", ".o", ".dll", ".dylib"))]
 
 

@@ -946,6 +946,8 @@ static PyObject *py_mark_verified(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+#include "_augment.c" /* augment: the fused crop, resize, flip and normalize of a batch slice (issue 26) */
+
 /* ------------------------------------------------------------------------------------------
  * The module. */
 
@@ -960,6 +962,7 @@ static PyMethodDef core_methods[] = {
     {"locate_index", (PyCFunction)(void (*)(void))py_locate_index, METH_FASTCALL, py_locate_index_doc},
     {"fill", py_fill, METH_VARARGS, py_fill_doc},
     {"mark_verified", py_mark_verified, METH_VARARGS, py_mark_verified_doc},
+    {"augment", py_augment, METH_VARARGS, py_augment_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -64,16 +64,19 @@ from __future__ import annotations
 import inspect
 import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DistributedSampler
 
 from ..errors import InvalidOptionError, LmdbCacheWarning
+from ._fused import Fused
+from ._fused import check as check_fused
 from ._gather import Layout
 from ._pass import Pass, PassSpec, Ring, current_stream_event, stamp
 from ._workers import WorkerPass
+from .augment import compile_plan
 
 if TYPE_CHECKING:
     from ..dataset import CachedDataset
@@ -185,6 +188,15 @@ class Loader:
     ``transform`` on ``num_threads`` worker processes and everything else on the threads; 0
     always uses the threads, N >= 1 always N processes (``multiprocessing_context`` as in
     DataLoader). See "Worker processes" in the module docstring for when each is faster.
+
+    ``augment``: a list of ``lmdbcache.augment`` transforms (``RandomResizedCrop``,
+    ``RandomHorizontalFlip``, ``CenterCrop``, ``Resize``, ``Normalize``) applied to the image field
+    (``augment_field``: its position in the sample, or key of a dict sample; by default the first 3-D
+    uint8 tensor, CHW or HWC as stored: ``image_layout`` "CHW" or "HWC", or None to take HWC where the last
+    dimension is <= 4 and the first is not) inside the batch copy, on the compiled core in C; the
+    parameters of sample i in epoch e depend only on (seed, e, i). The image batch is (B, C, H, W),
+    uint8 or Normalize's dtype, in channels-last memory with ``channels_last=True``. See
+    ``lmdbcache.augment``.
     """
 
     def __init__(
@@ -207,6 +219,10 @@ class Loader:
         seed_transforms: bool = True,
         num_workers: int | None = None,
         multiprocessing_context: Any = None,
+        augment: Sequence[Any] | None = None,
+        augment_field: int | str | None = None,
+        channels_last: bool = False,
+        image_layout: str | None = None,
     ) -> None:
         batch_size = _check_options(batch_size, shuffle, seed, drop_last, num_threads, prefetch, sampler, batch_sampler)
         if num_workers is not None and (type(num_workers) is not int or num_workers < 0):
@@ -236,6 +252,10 @@ class Loader:
         self._layouts: dict[bytes, Layout] = {}
         self._pass: Pass | WorkerPass | None = None
         self._closed = False
+        self._fused = None
+        if augment is not None:
+            check_fused(dataset, num_workers)
+            self._fused = Fused(compile_plan(augment, augment_field, channels_last, image_layout))
 
     # ------------------------------------------------------------------ order and position
 
@@ -387,6 +407,7 @@ class Loader:
         return PassSpec(
             self.dataset, self.num_threads, self.prefetch, self.pin_memory, self.batch_transform, self.seed,
             self.seed_transforms, self._ring, self._layouts, self.worker_processes, self.multiprocessing_context,
+            self._fused,
         )  # fmt: skip
 
     def _run(self, epoch: int, batches: list[list[int]], start: int) -> Iterator[Any]:

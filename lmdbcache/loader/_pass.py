@@ -33,6 +33,7 @@ from ._gather import Buffers, Layout, layout_of
 
 if TYPE_CHECKING:
     from ..dataset import CachedDataset
+    from ._fused import Fused
 
 # Held while a transform runs with the global generators seeded: they are process-wide.
 _RNG_LOCK = threading.Lock()
@@ -131,6 +132,7 @@ class PassSpec:
     layouts: dict[bytes, Layout]
     worker_processes: int = 0
     multiprocessing_context: Any = None
+    fused: Fused | None = None  # ``augment=``: the image field augmented on its way into the batch
 
 
 class Pass:
@@ -205,11 +207,14 @@ class Pass:
 
     def _gather(self, indices: list[int]) -> tuple[Any, list[Buffers]]:
         """The batch copied from the map (None when it must take the fallback path) and its ring slots."""
-        ds = self.ds
+        ds, spec = self.ds, self.spec
+        if spec.fused is not None:
+            seeds = (spec.seed, self.epoch)
+            batch, slots = spec.fused.batch(ds, spec.ring, self.pool, spec.num_threads, seeds, indices)
+            return (pin_batch(batch) if spec.pin_memory and not slots else batch), slots  # the torch path's batch
         if ds.transform is not None:
             return None, []
         indices = ds.checked_indices(indices)  # a sampler may give numpy or negative indices, or bad ones
-        spec = self.spec
         taken: list[Buffers] = []
 
         def copy(views: list[Any], checks: list[bool]) -> Any:

@@ -1,0 +1,330 @@
+"""lmdbcache.augment: torchvision's transforms fused into the loader, reproducible per (seed, epoch, index)."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from lmdbcache import CachedDataset, CorruptSampleError, InvalidOptionError, Loader
+from lmdbcache.augment import CenterCrop, Normalize, RandomHorizontalFlip, RandomResizedCrop, Resize
+from lmdbcache.loader import _fused
+from lmdbcache.loader import augment as aug
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def image_for(i: int, hwc: bool = False) -> torch.Tensor:
+    """Sample i's image: a size of its own (odd, tiny, wide and tall ones among them), CHW or HWC."""
+    g = torch.Generator().manual_seed(i)
+    sizes = [(1, 1), (2, 3), (7, 5), (33, 47), (40, 9), (9, 64), (24, 24), (61, 37)]
+    h, w = sizes[i % len(sizes)]
+    image = torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g)
+    return image.permute(1, 2, 0).contiguous() if hwc else image
+
+
+class Images(Dataset):
+    """``(image, index)`` samples of mixed sizes, stored CHW or HWC."""
+
+    def __init__(self, n: int = 48, hwc: bool = False) -> None:
+        self.n, self.hwc = n, hwc
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return image_for(i, self.hwc), i
+
+
+def cached(path, **kw) -> CachedDataset:
+    ds = CachedDataset(Images(**kw), str(path))
+    for _ in ds:  # every sample stored
+        pass
+    ds.flush()  # and committed: the batch path reads the file
+    return ds
+
+
+def reference(image: torch.Tensor, box: tuple[int, ...], flip: bool, size: tuple[int, int]) -> torch.Tensor:
+    """torchvision's steps with torch ops: crop by slicing, interpolate on uint8 (antialiased), window, flip."""
+    top, left, h, w, rh, rw, oy, ox = box
+    x = image[:, top : top + h, left : left + w]
+    if (rh, rw) != (h, w):
+        x = F.interpolate(x[None], size=(rh, rw), mode="bilinear", antialias=True, align_corners=False)[0]
+    padded = torch.zeros((x.shape[0], rh + 2 * size[0], rw + 2 * size[1]), dtype=torch.uint8)
+    padded[:, size[0] : size[0] + rh, size[1] : size[1] + rw] = x
+    x = padded[:, size[0] + oy : size[0] + oy + size[0], size[1] + ox : size[1] + ox + size[1]]
+    return x.flip(-1) if flip else x
+
+
+def expected(plan, seed, epoch, index, image):
+    _, h, w = image.shape
+    box = aug.box_of(plan, h, w, aug.stream(seed, epoch, index, plan.rrc_at))
+    flip = aug.flips(plan, aug.stream(seed, epoch, index, plan.flip_at))
+    return reference(image, box, flip, plan.size), box
+
+
+def get_params_reference(height: int, width: int, scale, ratio, g: torch.Generator) -> tuple[int, int, int, int]:
+    """torchvision's RandomResizedCrop.get_params, written from its published source, on torch's RNG."""
+    area = height * width
+    log_ratio = torch.log(torch.tensor(ratio))
+    for _ in range(10):
+        target_area = area * torch.empty(1).uniform_(scale[0], scale[1], generator=g).item()
+        aspect_ratio = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1], generator=g)).item()
+        w = round(math.sqrt(target_area * aspect_ratio))
+        h = round(math.sqrt(target_area / aspect_ratio))
+        if 0 < w <= width and 0 < h <= height:
+            i = int(torch.randint(0, height - h + 1, size=(1,), generator=g).item())
+            j = int(torch.randint(0, width - w + 1, size=(1,), generator=g).item())
+            return i, j, h, w
+    in_ratio = float(width) / float(height)
+    if in_ratio < min(ratio):
+        w, h = width, round(width / min(ratio))
+    elif in_ratio > max(ratio):
+        h, w = height, round(height * max(ratio))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def ks_statistic(a: np.ndarray, b: np.ndarray) -> float:
+    """The two-sample Kolmogorov-Smirnov statistic."""
+    a, b = np.sort(a), np.sort(b)
+    grid = np.concatenate([a, b])
+    cdf_a = np.searchsorted(a, grid, side="right") / len(a)
+    cdf_b = np.searchsorted(b, grid, side="right") / len(b)
+    return float(np.abs(cdf_a - cdf_b).max())
+
+
+@pytest.mark.parametrize("shape", [(300, 400)])
+def test_crop_box_distribution_matches_torchvision(shape):
+    """Over 100k draws, crop scale and log aspect ratio match torchvision's get_params (KS test, alpha 0.001)."""
+    n, (height, width) = 100_000, shape
+    plan = aug.compile_plan([RandomResizedCrop(224)])
+    ours = np.array([aug.box_of(plan, height, width, aug.stream(1, 0, i, 0))[:4] for i in range(n)], dtype=np.float64)
+    g = torch.Generator().manual_seed(0)
+    theirs = np.array(
+        [get_params_reference(height, width, (0.08, 1.0), (3 / 4, 4 / 3), g) for _ in range(n)], dtype=np.float64
+    )
+    critical = 1.949 * math.sqrt(2 / n)
+    for name, f in (
+        ("scale", lambda b: b[:, 2] * b[:, 3] / (height * width)),
+        ("log-ratio", lambda b: np.log(b[:, 3] / b[:, 2])),
+    ):
+        d = ks_statistic(f(ours), f(theirs))
+        assert d < critical, f"{name}: KS statistic {d:.4f} >= {critical:.4f}"
+    for k in (0, 1):  # the box's position: uniform over the places it fits, as torch.randint draws it
+        d = ks_statistic(
+            ours[:, k] / (np.array([height, width])[k] - ours[:, 2 + k] + 1),
+            theirs[:, k] / (np.array([height, width])[k] - theirs[:, 2 + k] + 1),
+        )
+        assert d < critical
+
+
+def test_draws_are_a_pure_function_of_seed_epoch_index():
+    """The same (seed, epoch, index) gives the same draws; another seed, epoch or index others."""
+    key = aug.stream(5, 2, 17, 0)
+    assert [aug.uniform(key, k) for k in range(4)] == [aug.uniform(aug.stream(5, 2, 17, 0), k) for k in range(4)]
+    others = {
+        aug.uniform(aug.stream(*args), 0)
+        for args in [(5, 2, 17, 0), (6, 2, 17, 0), (5, 3, 17, 0), (5, 2, 18, 0), (5, 2, 17, 1)]
+    }
+    assert len(others) == 5
+    draws = np.array([aug.uniform(aug.stream(0, 0, i, 0), 0) for i in range(20000)])
+    assert draws.min() >= 0.0 and draws.max() < 1.0 and abs(draws.mean() - 0.5) < 0.01
+
+
+PIPELINES = {
+    "rrc-flip": [RandomResizedCrop(16), RandomHorizontalFlip()],
+    "rrc-wide": [RandomResizedCrop((12, 20), scale=(0.5, 1.0)), RandomHorizontalFlip(p=1.0)],
+    "center": [CenterCrop(20)],
+    "resize-center": [Resize(18), CenterCrop(16), RandomHorizontalFlip()],
+    "resize-hw": [Resize((30, 10)), CenterCrop((24, 12))],
+}
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+@pytest.mark.parametrize("hwc", [False, True], ids=["chw", "hwc"])
+def test_batches_match_the_torch_reference(tmp_path, read_path, monkeypatch, name, hwc):
+    """Each image equals crop + interpolate + window + flip in torch (within 1 on the core, exact for flips and
+    crops without resize), from images of mixed sizes (1x1 to 61x37) into one fixed-size batch; labels pass."""
+    ds = cached(tmp_path / "c", hwc=hwc)
+    if read_path == "native":  # every batch through core.augment, none through the torch path
+        monkeypatch.setattr(_fused.Fused, "pure", lambda *a: pytest.fail("the native batch fell back"))
+    plan = aug.compile_plan(PIPELINES[name])
+    loader = Loader(ds, 8, shuffle=True, seed=7, augment=PIPELINES[name], image_layout="HWC" if hwc else None)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for images, labels in loader:
+            assert images.dtype == torch.uint8 and images.shape[1:] == (3, *plan.size)
+            for row, index in enumerate(labels.tolist()):
+                want, box = expected(plan, 7, epoch, index, image_for(index))
+                got = images[row]
+                resized = box[4:6] != box[2:4]
+                tolerance = 1 if read_path == "native" and resized else 0
+                diff = (got.int() - want.int()).abs().max().item()
+                assert diff <= tolerance, f"index {index} epoch {epoch} box {box}: off by {diff}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_normalize_and_channels_last(tmp_path, read_path, dtype):
+    """Normalize gives (x/255 - mean)/std in its dtype; channels_last=True the same values in NHWC memory."""
+    ds = cached(tmp_path / "c")
+    mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+    steps = [RandomResizedCrop(16), RandomHorizontalFlip()]
+    plain = next(iter(Loader(ds, 16, seed=3, augment=steps)))
+    norm = next(iter(Loader(ds, 16, seed=3, augment=[*steps, Normalize(mean, std, dtype)])))
+    last = next(iter(Loader(ds, 16, seed=3, augment=[*steps, Normalize(mean, std, dtype)], channels_last=True)))
+    want = ((plain[0].float() / 255 - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]).to(dtype)
+    assert norm[0].dtype == dtype and torch.equal(norm[0], want)
+    assert last[0].is_contiguous(memory_format=torch.channels_last) and torch.equal(last[0], norm[0])
+    assert torch.equal(norm[1], plain[1])
+
+
+def test_chw_and_hwc_storage_give_the_same_batches(tmp_path, read_path):
+    """An image stored HWC is augmented as the same image stored CHW."""
+    steps = [RandomResizedCrop(16), RandomHorizontalFlip()]
+    a = list(Loader(cached(tmp_path / "a"), 8, seed=1, augment=steps))
+    b = list(Loader(cached(tmp_path / "b", hwc=True), 8, seed=1, augment=steps, image_layout="HWC"))
+    for x, y in zip(a, b):
+        assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1])
+
+
+def batches(loader, limit=None):
+    out = []
+    for k, batch in enumerate(loader):
+        out.append([t.clone() for t in batch])
+        if limit is not None and k + 1 == limit:
+            break
+    return out
+
+
+def test_threads_and_resume_give_identical_batches(tmp_path, read_path):
+    """1 or 3 threads, and a resume from state_dict() after k batches, give bit-identical batches."""
+    ds = cached(tmp_path / "c")
+    steps = [RandomResizedCrop(16), RandomHorizontalFlip(), Normalize([0.5] * 3, [0.25] * 3)]
+    one = Loader(ds, 6, shuffle=True, seed=11, num_threads=1, augment=steps)
+    three = Loader(ds, 6, shuffle=True, seed=11, num_threads=3, augment=steps)
+    for epoch in range(2):
+        one.set_epoch(epoch)
+        three.set_epoch(epoch)
+        full, other = batches(one), batches(three)
+        assert all(torch.equal(x, y) for a, b in zip(full, other) for x, y in zip(a, b))
+    stopped = Loader(ds, 6, shuffle=True, seed=11, augment=steps)
+    stopped.set_epoch(1)
+    head = batches(stopped, 3)
+    resumed = Loader(ds, 6, shuffle=True, seed=11, augment=steps)
+    resumed.load_state_dict(stopped.state_dict())
+    rest = batches(resumed)
+    assert len(head) + len(rest) == len(full)
+    assert all(torch.equal(x, y) for a, b in zip(head + rest, full) for x, y in zip(a, b))
+
+
+def test_epochs_draw_new_boxes(tmp_path):
+    """Another epoch gives other crops of the same samples."""
+    ds = cached(tmp_path / "c", n=16)
+    loader = Loader(ds, 16, augment=[RandomResizedCrop(16)])
+    first, second = batches(loader), batches(loader)
+    assert not torch.equal(first[0][0], second[0][0])
+
+
+def test_bad_pipelines_are_refused_with_the_fix(tmp_path):
+    """Unfused transforms, a wrong order, no fixed output size and a per-sample transform are refused."""
+    ds = cached(tmp_path / "c", n=8)
+    for steps, words in [
+        ([RandomHorizontalFlip(), RandomResizedCrop(8)], "geometric transforms first"),
+        ([Resize(8)], "one output size"),
+        ([lambda x: x], "per-sample transform"),
+        ([RandomResizedCrop(8, scale=(1.0, 0.5))], "increasing"),
+        ([CenterCrop(8), Normalize([0.5], [0.0])], "without zeros"),
+    ]:
+        with pytest.raises(InvalidOptionError, match=words):
+            Loader(ds, 4, augment=steps)
+    ds.transform = lambda s: s
+    with pytest.raises(InvalidOptionError, match="per-sample transform"):
+        Loader(ds, 4, augment=[CenterCrop(8)])
+
+
+def _lie(path, index: int, nbytes: int | None = None, dims: tuple[int, int, int] | None = None) -> None:
+    """Rewrite the stored image shape of ``index`` as a buggy or hostile writer would, checksums made to match."""
+    import xxhash
+    from helpers import key, raw_cache
+
+    with raw_cache(path) as (txn, samples, _):
+        value = bytearray(txn.get(key(index), db=samples))
+        assert value[27:30] == b"T\x01\x03", "the image is the first item of the flat signature"
+        if nbytes is not None:
+            value[30:38] = struct.pack("<Q", nbytes & (2**64 - 1))
+        if dims is not None:
+            value[38:62] = struct.pack("<3Q", *(d & (2**64 - 1) for d in dims))
+        size = struct.unpack_from("<I", value, 4)[0]
+        value[8:16] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(value[24 : 24 + size]), index))
+        txn.put(key(index), bytes(value), db=samples)
+
+
+@pytest.mark.parametrize(
+    "lie",
+    [
+        {"dims": (3, 0, 47)},
+        {"dims": (3, 1 << 40, 47)},
+        {"dims": (3, -1, 47)},
+        {"dims": (3, 34, 47)},
+        {"dims": (3, 1 << 31, 1 << 31)},
+        {"nbytes": 3 * 34 * 47, "dims": (3, 34, 47)},
+        {"nbytes": 0, "dims": (3, 0, 0)},
+        {"nbytes": 1 << 62, "dims": (1 << 20, 1 << 21, 1 << 21)},
+    ],
+    ids=["zero", "huge", "negative", "off-by-a-row", "overflowing", "longer-than-value", "empty", "absurd"],
+)
+def test_hostile_stored_shapes_get_a_corrupt_sample_error(tmp_path, read_path, lie):
+    """A stored image whose shape lies (zero, huge, negative, not its byte count) is refused with an error naming
+    its index, on the core and on the torch path, and the process survives; the batch before it was read."""
+    ds = cached(tmp_path / "c", n=8)
+    ds.close()
+    _lie(tmp_path / "c", 3, **lie)  # index 3: a 33x47 image
+    ds = CachedDataset.open(str(tmp_path / "c"))
+    loader = Loader(ds, 2, augment=[RandomResizedCrop(16), RandomHorizontalFlip()])
+    got = []
+    with pytest.raises(CorruptSampleError) as info:
+        for batch in loader:
+            got.append(batch)
+    assert "index 3 is damaged" in str(info.value)
+    assert len(got) == 1 and got[0][1].tolist() == [0, 1]
+
+
+class Large(Dataset):
+    """Images of 40 to 300 pixels a side, CHW or HWC: whole 16-row strips and 16-column blocks in the kernel."""
+
+    def __init__(self, hwc: bool) -> None:
+        self.hwc = hwc
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        g = torch.Generator().manual_seed(100 + i)
+        h, w = [(300, 41), (40, 300), (257, 263), (123, 77), (64, 64), (199, 151), (31, 290), (96, 160)][i]
+        image = torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g)
+        return (image.permute(1, 2, 0).contiguous() if self.hwc else image), i
+
+
+@pytest.mark.parametrize("hwc", [False, True], ids=["chw", "hwc"])
+def test_large_images_match_the_torch_reference(tmp_path, read_path, hwc):
+    """Downscaling and upscaling from images up to 300 pixels a side: within 1 of torch's interpolate."""
+    ds = CachedDataset(Large(hwc), str(tmp_path / "c"))
+    for _ in ds:
+        pass
+    ds.flush()
+    for steps in ([RandomResizedCrop(64), RandomHorizontalFlip()], [Resize(72), CenterCrop(64)]):
+        plan = aug.compile_plan(steps)
+        for images, labels in Loader(ds, 4, seed=2, augment=steps, image_layout="HWC" if hwc else "CHW"):
+            for row, index in enumerate(labels.tolist()):
+                image = Large(False)[index][0]
+                want, box = expected(plan, 2, 0, index, image)
+                assert (images[row].int() - want.int()).abs().max().item() <= 1, f"index {index} box {box}"
