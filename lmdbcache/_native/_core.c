@@ -558,6 +558,8 @@ static PyObject *py_locate(PyObject *self, PyObject *args) {
 
 #define SPAN 32
 #define LK_PACK 25 /* a pack whose header does not hold the index's value (lmdbcache/_pack.py) */
+#define LK_GROUP 26 /* a pointer whose group is missing or does not hold its span (lmdbcache/format/_group.py) */
+#define GROUP_POINTER 20
 
 static inline void put_be64(uint8_t *p, uint64_t v) {
     for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (56 - 8 * i));
@@ -593,6 +595,26 @@ static void advise_if_cold(const Map *m, uint64_t offset, uint64_t size) {
 #endif
 }
 
+/* A value of GROUP_POINTER bytes starting with "LMGP" is a pointer into a group (lmdbcache/format/_group.py):
+ * u64 group id, u32 offset, u32 length. Follow it: the group's record (key 0xff 'G' + the id big-endian) is
+ * located in the same tree, and the value must lie inside it at an 8-byte aligned offset (_group.span). On
+ * entry [*offset, *offset + GROUP_POINTER) is the pointer (checked against the map by leaf_value); on
+ * success the value's span, within the group's record, itself checked against the map by leaf_value. */
+static int group_value(const Map *m, uint64_t root, unsigned depth, uint64_t *offset, uint64_t *size) {
+    const uint8_t *v = m->base + *offset, *p, *nd;
+    if (memcmp(v, "LMGP", 4)) return LK_OK; /* a value that happens to be 20 bytes long */
+    uint64_t group = le64(v + 4), at = le32(v + 12), len = le32(v + 16), gat, gsz;
+    uint8_t key[10] = {0xff, 'G'};
+    put_be64(key + 2, group);
+    int rc = tree_find(m, root, depth, key, 10, &p, &nd);
+    if (rc == LK_NOTFOUND) return LK_GROUP;
+    if (rc || (rc = leaf_value(m, p, nd, &gat, &gsz))) return rc;
+    if (at % 8 || len == 0 || at + len > gsz) return LK_GROUP; /* at, len < 2**32: no overflow */
+    *offset = gat + at;
+    *size = len;
+    return LK_OK;
+}
+
 /* Locate one index as ReadPath._fetch does: (packs on) its value in its chunk's pack, else its single record. */
 static int locate_index(const Map *m, uint64_t root, unsigned depth, uint64_t index, uint64_t pack,
                         uint64_t length, uint64_t *offset, uint64_t *size) {
@@ -614,7 +636,8 @@ static int locate_index(const Map *m, uint64_t root, unsigned depth, uint64_t in
     }
     put_be64(key, index);
     rc = tree_find(m, root, depth, key, 8, &p, &nd);
-    return rc ? rc : leaf_value(m, p, nd, offset, size);
+    if (rc || (rc = leaf_value(m, p, nd, offset, size))) return rc;
+    return *size == GROUP_POINTER ? group_value(m, root, depth, offset, size) : LK_OK;
 }
 
 PyDoc_STRVAR(py_locate_batch_doc,

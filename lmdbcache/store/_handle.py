@@ -85,6 +85,8 @@ class Handle:
         self._rtxn_expires = 0.0
         # Packs (views) looked up in that kept transaction, by first index; forgotten with it (_read._pack_of).
         self._packs: dict[int, Any] = {}
+        # Groups (views) looked up in that kept transaction, by id; forgotten with it (_groups.group_view).
+        self._groups: dict[int, Any] = {}
         # Its samples tree as the compiled core reads it (_native_read.native_tree), found once per transaction.
         self._tree: tuple[Any, ...] | None = None
         # Byte i set: this process has verified index i's data checksum (checksum="once"). A byte
@@ -318,6 +320,7 @@ class Handle:
 
     def _drop_reader(self) -> None:
         self._packs.clear()  # views into the transaction's snapshot: never used past it
+        self._groups.clear()
         self._tree = None
         txn, self._rtxn = self._rtxn, None
         if txn is not None:

@@ -345,7 +345,11 @@ class Store(ReadPath, WritePath):
         with self._lock, self._begin_checked(self._env or self._env_or_open()) as txn:
             try:
                 # A pack is one record holding many samples: its count comes from its key and the length.
-                count = self._scanner.count_packed(txn) if self._pack else int(txn.stat(self._samples)["entries"])
+                count = (
+                    self._scanner.count_packed(txn)
+                    if self._pack
+                    else int(txn.stat(self._samples)["entries"]) - self._scanner.count_groups(txn)
+                )
             except lmdb.Error as exc:
                 raise translate(exc, self.path, "counting the samples of") from exc
         assert self._meta is not None
