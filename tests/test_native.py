@@ -614,9 +614,10 @@ def test_single_reads_of_compressed_values_equal_both_ways(tmp_path: Any, codec:
 
 
 @needs_core
-@pytest.mark.parametrize("version", ["1", "2", "3", "3-zstd"])
+@pytest.mark.parametrize("version", ["1", "2", "3", "3-zstd", "4"])
 def test_golden_caches_read_the_same_both_ways(tmp_path: Any, version: str, counting: Any) -> None:
-    """The golden caches of formats 1 to 3 (tests/data) decode to their samples through the core as in Python."""
+    """The golden caches of formats 1 to 4 (tests/data; v4 grouped) decode to their samples through the core as in
+    Python."""
     import shutil
 
     from helpers import assert_same, golden_samples
@@ -719,6 +720,86 @@ def test_damaged_packs_give_the_same_single_read_error_both_ways(tmp_path: Any, 
     errors = _damaged_singles(str(path), 11)
     assert len(set(errors)) == 1 and errors[0][0] is CorruptCacheError, errors
     assert "pack holding index 11 (indices 8 to 15)" in errors[0][1] and words in errors[0][1]
+
+
+@needs_core
+@pytest.mark.parametrize("kind", ["dtype float32", "0-d tensors", "large (overflow pages)", "dict (not flat)"])
+def test_a_shuffled_fill_of_many_commits_reads_the_same_both_ways(tmp_path: Any, kind: str, counting: Any) -> None:
+    """A cache filled in shuffled order by commits of 7 (many groups, pointers in every leaf; format 4): ds[i],
+    __getitems__ and loader batches byte-identical on the core and the Python path, and equal to the source."""
+    make = SAMPLE_KINDS[kind]
+    path = str(tmp_path / "c.lmdb")
+    order = random.Random(9).sample(range(60), 60)
+    ds = CachedDataset(Listed([make(i) for i in range(60)]), path, commit_every=7)
+    for i in order:
+        ds[i]
+    ds.close()
+    with raw_cache(path, write=False) as (txn, samples, _):
+        groups = sum(1 for k in txn.cursor(db=samples).iternext(values=False) if k[:2] == b"\xffG")
+        assert groups >= 8 and bytes(txn.get(key(order[0]), db=samples))[:4] == b"LMGP"
+    got = _both_ways(path, order, counting)
+    assert got[: len(order)] == [_bytes_of(make(i)) for i in order]
+    reader = CachedDataset.open(path)
+    native = _epoch(reader, 8, shuffle=True, seed=4)
+    with _python_path():
+        python = _epoch(reader, 8, shuffle=True, seed=4)
+    reader.close()
+    assert native == python
+
+
+def _group_key(value: bytes) -> bytes:
+    return b"\xffG" + value[4:12][::-1]
+
+
+@needs_core
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        (lambda v, g: struct.pack_into("<I", v, 12, 1 << 30), "points to bytes 1073741824"),
+        (lambda v, g: struct.pack_into("<I", v, 12, 4), "points to bytes 4 to"),
+        (lambda v, g: struct.pack_into("<I", v, 16, 0), "points to bytes"),
+        (lambda v, g: struct.pack_into("<Q", v, 4, 77), "its group 77 is missing"),
+        (lambda v, g: g.__delitem__(slice(struct.unpack_from("<I", v, 12)[0] + 8, None)), "points to bytes"),
+    ],
+)
+def test_lying_pointers_give_the_same_errors_both_ways(tmp_path: Any, edit: Any, words: str) -> None:
+    """A pointer out of its group, unaligned, empty, to a missing or a truncated group: the same CorruptSampleError
+    (the Python path's words) from ds[i] and __getitems__ on the core and the Python path, and from the loader."""
+    path = tmp_path / "c.lmdb"
+    ds = CachedDataset(Synthetic(16), str(path))
+    ds.__getitems__(list(range(16)))
+    ds.close()
+    with raw_cache(path) as (txn, samples, _):
+        value = bytearray(txn.get(key(11), db=samples))
+        where = _group_key(bytes(value))
+        group = bytearray(txn.get(where, db=samples))
+        edit(value, group)
+        txn.put(key(11), bytes(value), db=samples)
+        txn.put(where, bytes(group), db=samples)
+    errors = _damaged_singles(str(path), 11)
+    assert len(set(errors)) == 1 and errors[0][0] is CorruptSampleError, errors
+    assert "index 11 points into a group, but" in errors[0][1] and words in errors[0][1]
+    for native in (True, False):
+        with contextlib.nullcontext() if native else _python_path():
+            reader = CachedDataset.open(str(path))
+            with pytest.raises(CorruptSampleError, match=f"index 11 points into a group, but .*{words}"):
+                _epoch(reader, 4)
+            reader.close()
+
+
+@needs_core
+def test_a_pointer_to_another_indexs_value_is_caught_both_ways(tmp_path: Any) -> None:
+    """A pointer made to point to index 4's value (a valid span): the checksums bound to the index refuse it, with
+    the same error on both paths, never index 4's sample."""
+    path = tmp_path / "c.lmdb"
+    ds = CachedDataset(Synthetic(16), str(path))
+    ds.__getitems__(list(range(16)))
+    ds.close()
+    with raw_cache(path) as (txn, samples, _):
+        txn.put(key(11), bytes(txn.get(key(4), db=samples)), db=samples)
+    errors = _damaged_singles(str(path), 11)
+    assert len(set(errors)) == 1 and errors[0][0] is CorruptSampleError, errors
+    assert "index 11 is damaged" in errors[0][1]
 
 
 _SINGLE_RECORD_CHILD = r"""
