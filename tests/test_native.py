@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import Listed, Synthetic, key, raw_cache
+from helpers import Listed, Synthetic, key, raw_cache, stored
 
 from lmdbcache import CachedDataset, CorruptSampleError, LmdbCacheError, _native, codec
 from lmdbcache.loader._gather import Buffers, Layout
@@ -185,7 +185,7 @@ def test_damaged_values_give_the_same_error_both_ways(tmp_path: Any, checksum: s
     ds.__getitems__(list(range(24)))
     ds.close()
     with raw_cache(path) as (txn, samples, _):
-        value = bytearray(txn.get(key(13), db=samples))
+        value = bytearray(stored(txn, samples, 13))
         value[at] ^= 0xFF
         txn.put(key(13), bytes(value), db=samples)
     errors = []
@@ -211,7 +211,8 @@ def test_damaged_values_give_the_same_error_both_ways(tmp_path: Any, checksum: s
 def test_a_record_past_the_file_is_refused_both_ways(tmp_path: Any) -> None:
     """A record whose length runs past data.mdb raises CorruptCacheError on both paths (never SIGBUS)."""
     path = tmp_path / "c.lmdb"
-    ds = CachedDataset(Listed([(_tensor(i, "uint8", (3, 64, 64)), i) for i in range(24)]), str(path))
+    # commit_every=1: each value its own record on overflow pages (format 4 groups a commit's small values)
+    ds = CachedDataset(Listed([(_tensor(i, "uint8", (3, 64, 64)), i) for i in range(24)]), str(path), commit_every=1)
     ds.__getitems__(list(range(24)))
     ds.close()
     data = bytearray((path / "data.mdb").read_bytes())
@@ -687,7 +688,7 @@ def test_damaged_values_give_the_same_single_read_error_both_ways(tmp_path: Any,
     ds.__getitems__(list(range(24)))
     ds.close()
     with raw_cache(path) as (txn, samples, _):
-        value = bytearray(txn.get(key(13), db=samples))
+        value = bytearray(stored(txn, samples, 13))
         value[at] ^= 0xFF
         txn.put(key(13), bytes(value), db=samples)
     errors = _damaged_singles(str(path), 13, checksum=checksum)
@@ -823,7 +824,8 @@ for native in (True, False):
 def test_a_record_past_the_file_is_refused_by_single_reads_both_ways(tmp_path: Any) -> None:
     """A record whose length runs past data.mdb: ds[i] and __getitems__ raise CorruptCacheError on both paths."""
     path = tmp_path / "c.lmdb"
-    ds = CachedDataset(Listed([(_tensor(i, "uint8", (3, 64, 64)), i) for i in range(24)]), str(path))
+    # commit_every=1: each value its own record on overflow pages (format 4 groups a commit's small values)
+    ds = CachedDataset(Listed([(_tensor(i, "uint8", (3, 64, 64)), i) for i in range(24)]), str(path), commit_every=1)
     ds.__getitems__(list(range(24)))
     ds.close()
     data = bytearray((path / "data.mdb").read_bytes())
@@ -844,6 +846,38 @@ def test_a_record_past_the_file_is_refused_by_single_reads_both_ways(tmp_path: A
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()[-4:]
     assert all(line.startswith("CorruptCacheError") and "index 5" in line for line in lines), lines
+
+
+@needs_core
+def test_a_group_record_past_the_file_is_refused_both_ways(tmp_path: Any) -> None:
+    """A group whose record's length runs past data.mdb: ds[i] and __getitems__ of an index pointing into it raise
+    CorruptCacheError naming the index on both paths (never SIGBUS)."""
+    path = tmp_path / "c.lmdb"
+    ds = CachedDataset(Listed([(_tensor(i, "uint8", (3, 32, 32)), i) for i in range(24)]), str(path))
+    ds.__getitems__(list(range(24)))
+    ds.close()
+    data = bytearray((path / "data.mdb").read_bytes())
+    needle = b"\xffG" + bytes(8)  # group 0's key
+    at, found = data.find(needle), 0
+    while at >= 0:
+        if data[at - 4] & 0x01:  # F_BIGDATA: its length's high half grows
+            data[at - 6] ^= 0x20
+            found += 1
+        at = data.find(needle, at + 1)
+    assert found
+    (path / "data.mdb").write_bytes(bytes(data))
+    out = subprocess.run(
+        [sys.executable, "-c", _SINGLE_RECORD_CHILD, str(path)],
+        env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()[-4:]  # ds[5], then __getitems__([4, 5]) (its first index named), twice
+    assert all(line.startswith("CorruptCacheError") for line in lines), lines
+    assert all(f"index {i}" in line for i, line in zip([5, 4, 5, 4], lines)), lines
+    assert "points into group 0, whose record is broken (its 2,172,608-byte value" in lines[2], lines
 
 
 _REBUILD_CHILD = r"""

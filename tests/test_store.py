@@ -13,7 +13,18 @@ import lmdb
 import msgpack
 import pytest
 import torch
-from helpers import Listed, Synthetic, assert_same, golden_samples, key, raw_cache, sample_for, source_reads, unmount
+from helpers import (
+    Listed,
+    Synthetic,
+    assert_same,
+    golden_samples,
+    key,
+    raw_cache,
+    sample_for,
+    source_reads,
+    stored,
+    unmount,
+)
 from test_processes import run_script
 
 import lmdbcache
@@ -205,7 +216,7 @@ def test_a_value_under_the_wrong_key_is_damage(cache_dir):
     """One flipped bit in a key must not serve another index's sample: reads and verify call it damage."""
     _cache_with(cache_dir, 10)
     with raw_cache(cache_dir) as (txn, samples, _):
-        value = bytes(txn.get(key(3), db=samples))
+        value = bytes(stored(txn, samples, 3))
         txn.delete(key(5), db=samples)
         txn.put(key(5), value, db=samples)  # what index 3's key with one bit flipped (3 -> 7, ...) amounts to
     ds = CachedDataset.open(cache_dir)

@@ -1,7 +1,8 @@
 """Reading through a pointer into a group (``format/_group``): the group found, the span checked, the value sliced.
 
 Shared by the read path (``_read``) and the scans (``_scanner``): ``deref`` turns a stored value
-that is a pointer into the view of the value it points to. Every failure is a
+that is a pointer into the view of the value it points to. A group record that runs past the file
+is damage to the file (``CorruptCacheError``, as a single record would be); every other failure is a
 ``CorruptSampleError`` naming the index (a pointer is one index's entry: ``verify --repair``
 deletes it and the sample is decoded again), and a pointer to another index's value is caught
 later by the value's own checksums, bound to its index.
@@ -13,8 +14,9 @@ from typing import Any
 
 import lmdb
 
-from ..errors import CorruptSampleError
+from ..errors import CorruptCacheError, CorruptSampleError
 from ..format import _group
+from ._lmdb_errors import REBUILD
 
 __all__ = ["deref", "group_view"]
 
@@ -37,7 +39,7 @@ def group_view(h: Any, txn: lmdb.Transaction, group: int, kept: dict[int, Any] |
             return None
         whole = guard.value(cursor.key())
         if isinstance(whole, str):
-            return f"the record of its group {group} is broken ({whole})"
+            return whole  # why the guard refuses the group's record
     if whole is not None and kept is not None and len(kept) < _GROUPS_KEPT:
         kept[group] = whole
     return whole
@@ -52,9 +54,12 @@ def deref(h: Any, txn: lmdb.Transaction, raw: Any, index: int, kept: dict[int, A
         return raw
     group, offset, length = _group.target(raw)
     whole = group_view(h, txn, group, kept)
-    problem = f"its group {group} is missing" if whole is None else whole if isinstance(whole, str) else None
-    if problem is None:
-        problem = _group.span(len(whole), offset, length)
+    if isinstance(whole, str):  # the file itself is damaged (as a single record past its end): not one index's
+        raise CorruptCacheError(
+            f"Cache '{h.path}' is damaged: index {index} points into group {group}, whose record is broken "
+            f"({whole}); it was not read. {REBUILD}"
+        )
+    problem = f"its group {group} is missing" if whole is None else _group.span(len(whole), offset, length)
     if problem is not None:
         raise CorruptSampleError(
             f"Cache '{h.path}': the stored entry of index {index} points into a group, but {problem}; it was not "
