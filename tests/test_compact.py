@@ -230,3 +230,18 @@ def test_a_golden_v4_cache_is_grouped(tmp_path):
     shutil.copytree(os.path.join(os.path.dirname(__file__), "data", "golden-v4"), copy)
     pointers, singles, groups = layout(copy)
     assert sorted(pointers) == list(range(7)) and singles == [] and list(groups) == [0]
+
+
+def test_bench_compact_runs_at_tiny_sizes(capsys):
+    """bench/compact.py runs end to end (one library, 3 KiB samples): a shuffled lazy fill, by one process and by
+    2 DataLoader workers, stays under 1.2x the payload, and so does a reader's PSS."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    try:
+        import compact
+    finally:
+        sys.path.pop(0)
+    found = compact.main(["--reps", "1", "--n", "300", "--sizes", "3KiB"])["3KiB"]["lib"]
+    assert found["disk"] < 1.2 and found["disk_workers"] < 1.2 and found["pss"] < 1.2, found
+    assert "| 3KiB | lib |" in capsys.readouterr().out

@@ -250,11 +250,12 @@ def test_pack_is_fixed_when_the_cache_is_created(cache_dir):
 
 
 def test_bench_pack_runs_at_tiny_sizes_and_packs_shrink_3_kib_samples(tmp_path, capsys):
-    """python -m bench.pack runs end to end; packed 3 KiB samples take less disk than singles after an in-order fill."""
+    """python -m bench.pack runs end to end; packed 3 KiB samples, and unpacked ones (grouped by their commit since
+    format 4), take under 1.15x their bytes after an in-order fill (a whole 4 KiB page each took 1.36x)."""
     from bench import pack as bench_pack
 
     found = bench_pack.main(["--reps", "1", "--n", "300", "--n-jpeg", "8", "--pack", "16", "--sizes", "3KiB", "jpeg"])
-    assert found["3KiB"]["16"]["in-order"] < 1.15 < found["3KiB"]["0"]["in-order"]
+    assert found["3KiB"]["16"]["in-order"] < 1.15 and found["3KiB"]["0"]["in-order"] < 1.15
     assert "| 3KiB | warm on/off |" in capsys.readouterr().out
 
 
