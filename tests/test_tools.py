@@ -50,7 +50,10 @@ def crashing_cache(path: Path, after: int = 6) -> None:
 
     LMDB trusts the node offsets in a page: reading that key runs off the end of the file (SIGBUS).
     """
-    precompute(Synthetic(20), path, num_workers=0, check_determinism=0, progress=False, pack=0)  # one leaf node each
+    ds = CachedDataset(Synthetic(20), path, commit_every=1)  # one leaf node each, the value in it (no groups)
+    for i in range(20):
+        ds[i]
+    ds.close()
     data = bytearray((path / "data.mdb").read_bytes())
     node = b"\x00\x00\x08\x00" + struct.pack(">Q", after + 1)  # a leaf node's flags (0), key size (8), key
     at, patched = data.find(node), 0
