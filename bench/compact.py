@@ -12,9 +12,11 @@ with its own ``PYTHONPATH``, measurements interleaved) is timed and measured on:
 - PSS: the proportional set size of the cache file's mapping (``data.mdb`` in ``/proc/<pid>/smaps``),
   summed over a reader's main process and its 2 DataLoader workers after a shuffled epoch over the
   whole cache, over the payload (the page cache a reader holds for its data);
-- fill: samples/s of the first (filling) epoch of the one-process fill;
+- fill: samples/s of the first (filling) epoch of the one-process fill, over wall time and over the
+  process's CPU time (``fill_cpu``: every thread, the committer's included; steadier on a loaded machine);
 - warm reads: samples/s of a shuffled pass of ``ds[i]`` over a cache this process has read whole
-  just before; loader: samples/s of a shuffled warm epoch of ``ds.loader(batch_size=256)``.
+  just before (``warm_cpu``: over CPU time); loader: samples/s of a shuffled warm epoch of
+  ``ds.loader(batch_size=256)``.
 
 Each figure is the median of ``--reps`` (each rep a new fill in a new directory); the ratios of
 ``--lib`` over ``--baseline`` are printed beside them.
@@ -27,6 +29,7 @@ import json
 import math
 import os
 import random
+import resource
 import shutil
 import statistics
 import subprocess
@@ -85,7 +88,7 @@ def child_fill(path: str, n: int, size: str, workers: int) -> dict[str, float]:
     from lmdbcache import CachedDataset
 
     ds = CachedDataset(_source(n, SIZES[size]), path)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu()
     if workers:
         loader = torch.utils.data.DataLoader(ds, batch_size=64, shuffle=True, num_workers=workers)
         for _ in loader:
@@ -96,8 +99,15 @@ def child_fill(path: str, n: int, size: str, workers: int) -> dict[str, float]:
         for i in order:
             ds[i]
     ds.close()
-    elapsed = time.perf_counter() - start
-    return {"fill": n / elapsed, "disk": _disk(path)}
+    elapsed, cpu = time.perf_counter() - start, _cpu() - cpu
+    return {"fill": n / elapsed, "fill_cpu": n / cpu, "disk": _disk(path)}
+
+
+def _cpu() -> float:
+    """CPU seconds of this process so far, every thread (the committer's included): steadier than wall time on a
+    loaded machine."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def child_read(path: str, n: int) -> dict[str, float]:
@@ -110,10 +120,10 @@ def child_read(path: str, n: int) -> dict[str, float]:
     for i in order:
         ds[i]
     random.Random(3).shuffle(order)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu()
     for i in order:
         ds[i]
-    warm = n / (time.perf_counter() - start)
+    warm, warm_cpu = n / (time.perf_counter() - start), n / (_cpu() - cpu)
     loader = ds.loader(batch_size=256, shuffle=True)
     for _ in loader:
         pass
@@ -122,7 +132,7 @@ def child_read(path: str, n: int) -> dict[str, float]:
         pass
     batches = n / (time.perf_counter() - start)
     ds.close()
-    return {"warm": warm, "loader": batches}
+    return {"warm": warm, "warm_cpu": warm_cpu, "loader": batches}
 
 
 def child_pss(path: str) -> dict[str, float]:
@@ -168,7 +178,7 @@ def _measure(lib: str, work: Path, size: str, n: int, rep: int) -> dict[str, flo
     return figures
 
 
-FIELDS = ("disk", "disk_workers", "pss", "fill", "warm", "loader")
+FIELDS = ("disk", "disk_workers", "pss", "fill", "fill_cpu", "warm", "warm_cpu", "loader")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
