@@ -168,7 +168,7 @@ def _measure(lib: str, work: Path, size: str, n: int, rep: int) -> dict[str, flo
     payload = n * math.prod(SIZES[size])
     path = str(work / f"{size}-{rep}-1")
     one = _run(lib, "fill", path, str(n), size, "0")
-    figures = {"disk": one["disk"] / payload, "fill": one["fill"]}
+    figures = {"disk": one["disk"] / payload, "fill": one["fill"], "fill_cpu": one["fill_cpu"]}
     figures.update(_run(lib, "read", path, str(n)))
     figures["pss"] = _run(lib, "pss", path)["pss"] / payload
     shutil.rmtree(path)

@@ -25,6 +25,8 @@ LAYOUT = """
     singles, packs = [], []
     with lmdb.open(sys.argv[1], max_dbs=2, readonly=True) as env, env.begin() as txn:
         for k in txn.cursor(db=env.open_db(b"samples", txn=txn, create=False)).iternext(values=False):
+            if k[:2] == b"\\xffG":
+                break  # groups (format 4, pack=0) sort last: their indices are listed as singles (pointers)
             if len(k) == 8:
                 singles.append(int.from_bytes(k, "big"))
             else:
@@ -35,7 +37,8 @@ LAYOUT = """
 
 
 def layout(path) -> tuple[list[int], list[int]]:
-    """(indices stored as single records, first indices of packs), read straight from LMDB in another process
+    """(indices stored under their own key, a record or a pointer into a group, first indices of packs), read
+    straight from LMDB in another process
     (py-lmdb refuses a second environment on a file this process has open)."""
     singles, packs = json.loads(run_script(LAYOUT, str(path)).stdout)
     return singles, packs
