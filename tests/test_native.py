@@ -662,7 +662,7 @@ def test_one_tree_per_read_transaction(tmp_path: Any, counting: Any, monkeypatch
         ds[i]
     ds.__getitems__(list(range(0, 300, 7)))
     assert counting.calls["open_tree"] == counting.calls["Tree"] == 1, counting.calls
-    assert ds._live_store()._tree[7] is not None  # the reads went through it
+    assert ds._live_store().reader._tree[7] is not None  # the reads went through it
     ds.close()
 
 
@@ -985,7 +985,7 @@ from lmdbcache import CachedDataset, _native
 assert _native.core is not None
 ds = CachedDataset.open(sys.argv[1])
 first = [ds[i][1] for i in range(64)]
-assert ds._live_store()._tree is not None  # the core found its tree in the kept transaction
+assert ds._live_store().reader._tree is not None  # the core found its tree in the kept transaction
 pid = os.fork()
 if pid == 0:
     try:

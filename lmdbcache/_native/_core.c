@@ -635,7 +635,8 @@ static int group_value(const Map *m, uint64_t root, unsigned depth, Groups *seen
     return LK_OK;
 }
 
-/* Locate one index as ReadPath._fetch does: (packs on) its value in its chunk's pack, else its single record. */
+/* Locate one index as Reader._fetch does: (packs on) its value in its chunk's pack, else its single record (or
+ * the value its pointer points to in a group). */
 static int locate_index(const Map *m, uint64_t root, unsigned depth, Groups *seen, uint64_t index, uint64_t pack,
                         uint64_t length, uint64_t *offset, uint64_t *size) {
     uint8_t key[9];
