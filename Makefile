@@ -119,6 +119,7 @@ bench: install
 	$(PY) -m bench.cold --reps 3
 	$(PY) -m bench.compress --reps 3
 	$(PY) -m bench.pack --reps 3
+	$(PY) bench/compact.py --reps 3
 	$(PY) -m bench.native --reps 5
 	$(PY) -m bench.single --reps 3
 	$(PY) -m bench.scale --reps 3

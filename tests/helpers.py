@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import struct
 import subprocess
 import time
 from collections.abc import Iterator
@@ -290,3 +291,14 @@ class FreezeCount(Dataset):
         self.ds[i]
         gc.collect()  # a full collection, as a worker's allocations set off
         return gc.get_freeze_count()
+
+
+def stored(txn: Any, samples: Any, index: int) -> bytes:
+    """The stored value of ``index`` in a raw transaction: its record, or (format 4) the value its pointer points
+    to in its group. Editing it and putting it back under ``key(index)`` stores it alone, in place of the pointer."""
+    value = bytes(txn.get(key(index), db=samples))
+    if len(value) == 20 and value[:4] == b"LMGP":
+        group, offset, length = struct.unpack_from("<QII", value, 4)
+        whole = bytes(txn.get(b"\xffG" + group.to_bytes(8, "big"), db=samples))
+        return whole[offset : offset + length]
+    return value

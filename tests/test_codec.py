@@ -396,7 +396,7 @@ def test_value_layout_is_stable():
     """The bytes of known samples match the documented layout (a change here needs a FORMAT_VERSION bump)."""
     value = encode((torch.tensor([1, 2], dtype=torch.uint8), 5), 9)
     magic, size, structure_hash, data_hash = struct.unpack_from("<4sIQQ", value)
-    assert magic == b"LMC\x02" and FORMAT_VERSION == 3  # format 3 writes uncompressed values as format 2 did
+    assert magic == b"LMC\x02" and FORMAT_VERSION == 4  # formats 3 and 4 write uncompressed values as format 2 did
     structure = value[24 : 24 + size]
     assert structure_hash == xxhash.xxh3_64_intdigest(structure, seed=9)
     assert data_hash == xxhash.xxh3_64_intdigest(b"\x01\x02", seed=9)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import Compressible, assert_same, compressible_for, golden_samples, key, raw_cache
+from helpers import Compressible, assert_same, compressible_for, golden_samples, raw_cache, stored
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import samples, tensors
@@ -85,7 +85,7 @@ def test_dataset_stores_its_setting_and_later_opens_use_it(cache_dir, codec):
         assert_same(ds[i], compressible_for(i))
     ds.close()
     with raw_cache(cache_dir, write=False) as (txn, samples, _):
-        assert all(txn.get(key(i), db=samples)[:4] == FRAMED for i in range(20))
+        assert all(stored(txn, samples, i)[:4] == FRAMED for i in range(20))
     assert tools.info(cache_dir).compress == f"{codec}:{0 if codec == 'lz4' else 3}"
     other = "zstd" if codec == "lz4" else "lz4"
     with pytest.raises(CacheMismatchError, match=f"built with compress='{codec}'.*overwrite=True"):
@@ -187,7 +187,7 @@ def test_merge_and_copy_keep_the_compression_setting(tmp_path):
         assert tools.info(tmp_path / path).compress == "lz4:0"
         check_cache(tmp_path / path, n)
         with raw_cache(tmp_path / path, write=False) as (txn, samples, _):
-            assert all(txn.get(key(i), db=samples)[:4] == FRAMED for i in range(n))
+            assert all(stored(txn, samples, i)[:4] == FRAMED for i in range(n))
     precompute(Compressible(n), tmp_path / "plain", shard=(0, 2), num_workers=0)
     with pytest.raises(CacheMismatchError, match="compress"):
         tools.merge(tmp_path / "mixed", [tmp_path / "s0", tmp_path / "plain"])
@@ -296,7 +296,7 @@ def test_golden_compressed_cache_still_reads(tmp_path):
     shutil.copy(Path(__file__).parent / "data" / "golden-v3-zstd" / "data.mdb", copy / "data.mdb")
     expected = golden_samples("3-zstd")
     with raw_cache(copy, write=False) as (txn, samples, _):
-        versions = [txn.get(key(i), db=samples)[3] for i in range(len(expected))]
+        versions = [stored(txn, samples, i)[3] for i in range(len(expected))]
     assert versions[-2:] == [3, 3] and set(versions[:-2]) == {2}  # only the last two pay to compress
     ds = CachedDataset.open(copy)
     assert tools.info(copy).compress == "zstd:3" and len(ds) == len(expected) and ds.is_complete

@@ -12,7 +12,7 @@ import lmdb
 import numpy as np
 import pytest
 import torch
-from helpers import Failing, Listed, Synthetic, assert_same, key, raw_cache, sample_for, source_reads
+from helpers import Failing, Listed, Synthetic, assert_same, key, raw_cache, sample_for, source_reads, stored
 from torch.utils.data import DataLoader, Subset
 
 import lmdbcache
@@ -93,13 +93,13 @@ def test_a_miss_is_a_hit_and_shares_no_memory_with_the_source(cache_dir, method)
     for i, (miss, source) in enumerate(zip(misses, samples)):
         hit = hits[i]
         assert_same(miss, hit)
-        for got, stored, original in zip(_arrays(miss), _arrays(hit), _arrays(source)):
+        for got, kept, original in zip(_arrays(miss), _arrays(hit), _arrays(source)):
             if isinstance(got, torch.Tensor):
-                assert got.is_contiguous() and got.is_contiguous() == stored.is_contiguous()
+                assert got.is_contiguous() and got.is_contiguous() == kept.is_contiguous()
                 assert got.untyped_storage().data_ptr() != original.untyped_storage().data_ptr()
                 got.reshape(-1).view(torch.uint8).fill_(0xAB)  # writable: a copy of the source's
             else:
-                assert got.flags.writeable and got.flags.c_contiguous and got.flags.owndata is stored.flags.owndata
+                assert got.flags.writeable and got.flags.c_contiguous and got.flags.owndata is kept.flags.owndata
                 assert not np.shares_memory(got, original)
                 got.view(np.uint8)[...] = 0xAB
         assert_same(hits[i], hit)  # the cache did not change through the miss
@@ -583,7 +583,7 @@ def test_the_spot_check_leaves_a_damaged_value_to_the_read_that_meets_it(cache_d
     with CachedDataset(Synthetic(1), cache_dir) as ds:
         ds[0]
     with raw_cache(cache_dir) as (txn, samples, _):
-        value = bytearray(txn.get(key(0), db=samples))
+        value = bytearray(stored(txn, samples, 0))
         value[-1] ^= 0xFF  # a data byte: the data checksum fails
         txn.put(key(0), bytes(value), db=samples)
     ds = CachedDataset(Synthetic(1), cache_dir, spot_check=1)  # the one cached index is checked

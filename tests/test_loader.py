@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import Listed, Synthetic, key, raw_cache, sample_for
+from helpers import Listed, Synthetic, key, raw_cache, sample_for, stored
 from torch.utils.data import DataLoader, DistributedSampler, default_collate
 
 import lmdbcache.loader._pass as pass_module
@@ -327,7 +327,7 @@ def test_misses_filled_through_the_loader_equal_later_hits(cache_dir):
 def damage(path, index, at):
     """Flip the byte ``at`` of index's stored value (negative: from its end)."""
     with raw_cache(path) as (txn, samples, _):
-        value = bytearray(txn.get(key(index), db=samples))
+        value = bytearray(stored(txn, samples, index))
         value[at] ^= 0xFF
         txn.put(key(index), bytes(value), db=samples)
 
@@ -376,7 +376,7 @@ def test_a_value_under_another_key_is_refused(cache_dir, read_path):
     """Index 3's value stored under index 5 is damage, not index 3's sample."""
     warm(CachedDataset(Synthetic(10), cache_dir)).close()
     with raw_cache(cache_dir) as (txn, samples, _):
-        txn.put(key(5), bytes(txn.get(key(3), db=samples)), db=samples)
+        txn.put(key(5), bytes(stored(txn, samples, 3)), db=samples)
     ds = CachedDataset.open(cache_dir)
     with pytest.raises(CorruptSampleError, match="index 5"):
         list(ds.loader(4))

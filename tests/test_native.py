@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import Listed, Synthetic, key, raw_cache
+from helpers import Listed, Synthetic, key, raw_cache, stored
 
 from lmdbcache import CachedDataset, CorruptSampleError, LmdbCacheError, _native, codec
 from lmdbcache.loader._gather import Buffers, Layout
@@ -185,7 +185,7 @@ def test_damaged_values_give_the_same_error_both_ways(tmp_path: Any, checksum: s
     ds.__getitems__(list(range(24)))
     ds.close()
     with raw_cache(path) as (txn, samples, _):
-        value = bytearray(txn.get(key(13), db=samples))
+        value = bytearray(stored(txn, samples, 13))
         value[at] ^= 0xFF
         txn.put(key(13), bytes(value), db=samples)
     errors = []
@@ -211,7 +211,8 @@ def test_damaged_values_give_the_same_error_both_ways(tmp_path: Any, checksum: s
 def test_a_record_past_the_file_is_refused_both_ways(tmp_path: Any) -> None:
     """A record whose length runs past data.mdb raises CorruptCacheError on both paths (never SIGBUS)."""
     path = tmp_path / "c.lmdb"
-    ds = CachedDataset(Listed([(_tensor(i, "uint8", (3, 64, 64)), i) for i in range(24)]), str(path))
+    # commit_every=1: each value its own record on overflow pages (format 4 groups a commit's small values)
+    ds = CachedDataset(Listed([(_tensor(i, "uint8", (3, 64, 64)), i) for i in range(24)]), str(path), commit_every=1)
     ds.__getitems__(list(range(24)))
     ds.close()
     data = bytearray((path / "data.mdb").read_bytes())
@@ -525,7 +526,11 @@ def _lmdb_fields_lmdb_reads_past(path: Any, what: str) -> None:
 def test_a_field_lmdb_does_not_read_is_not_relied_on(tmp_path: Any, monkeypatch: Any, what: str) -> None:
     """A file LMDB and the Python path read (a database depth off by one, overflow page counts changed) gives the
     same batches on the core: it checks what a read needs (every span inside the map), not LMDB's bookkeeping."""
-    ds = CachedDataset(Listed([torch.full((3, 32, 32), i, dtype=torch.uint8) for i in range(24)]), tmp_path / "c")
+    # commit_every=1: one value per overflow page (a group's later pages hold data that the page walk below would
+    # take for page headers)
+    ds = CachedDataset(
+        Listed([torch.full((3, 32, 32), i, dtype=torch.uint8) for i in range(24)]), tmp_path / "c", commit_every=1
+    )
     for i in range(24):
         ds[i]
     ds.close()
@@ -614,9 +619,10 @@ def test_single_reads_of_compressed_values_equal_both_ways(tmp_path: Any, codec:
 
 
 @needs_core
-@pytest.mark.parametrize("version", ["1", "2", "3", "3-zstd"])
+@pytest.mark.parametrize("version", ["1", "2", "3", "3-zstd", "4"])
 def test_golden_caches_read_the_same_both_ways(tmp_path: Any, version: str, counting: Any) -> None:
-    """The golden caches of formats 1 to 3 (tests/data) decode to their samples through the core as in Python."""
+    """The golden caches of formats 1 to 4 (tests/data; v4 grouped) decode to their samples through the core as in
+    Python."""
     import shutil
 
     from helpers import assert_same, golden_samples
@@ -686,7 +692,7 @@ def test_damaged_values_give_the_same_single_read_error_both_ways(tmp_path: Any,
     ds.__getitems__(list(range(24)))
     ds.close()
     with raw_cache(path) as (txn, samples, _):
-        value = bytearray(txn.get(key(13), db=samples))
+        value = bytearray(stored(txn, samples, 13))
         value[at] ^= 0xFF
         txn.put(key(13), bytes(value), db=samples)
     errors = _damaged_singles(str(path), 13, checksum=checksum)
@@ -721,6 +727,87 @@ def test_damaged_packs_give_the_same_single_read_error_both_ways(tmp_path: Any, 
     assert "pack holding index 11 (indices 8 to 15)" in errors[0][1] and words in errors[0][1]
 
 
+@needs_core
+@pytest.mark.parametrize("kind", ["dtype float32", "0-d tensors", "large (overflow pages)", "dict (not flat)"])
+def test_a_shuffled_fill_of_many_commits_reads_the_same_both_ways(tmp_path: Any, kind: str, counting: Any) -> None:
+    """A cache filled in shuffled order by commits of 5 (30 groups: more than the core's 16 remembered slots;
+    pointers in every leaf; format 4): ds[i], __getitems__ and loader batches byte-identical on the core and the
+    Python path, and equal to the source."""
+    make = SAMPLE_KINDS[kind]
+    path = str(tmp_path / "c.lmdb")
+    order = random.Random(9).sample(range(150), 150)
+    ds = CachedDataset(Listed([make(i) for i in range(150)]), path, commit_every=5)
+    for i in order:
+        ds[i]
+    ds.close()
+    with raw_cache(path, write=False) as (txn, samples, _):
+        groups = sum(1 for k in txn.cursor(db=samples).iternext(values=False) if k[:2] == b"\xffG")
+        assert groups >= 20 and bytes(txn.get(key(order[0]), db=samples))[:4] == b"LMGP"
+    got = _both_ways(path, order, counting)
+    assert got[: len(order)] == [_bytes_of(make(i)) for i in order]
+    reader = CachedDataset.open(path)
+    native = _epoch(reader, 8, shuffle=True, seed=4)
+    with _python_path():
+        python = _epoch(reader, 8, shuffle=True, seed=4)
+    reader.close()
+    assert native == python
+
+
+def _group_key(value: bytes) -> bytes:
+    return b"\xffG" + value[4:12][::-1]
+
+
+@needs_core
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        (lambda v, g: struct.pack_into("<I", v, 12, 1 << 30), "points to bytes 1073741824"),
+        (lambda v, g: struct.pack_into("<I", v, 12, 4), "points to bytes 4 to"),
+        (lambda v, g: struct.pack_into("<I", v, 16, 0), "points to bytes"),
+        (lambda v, g: struct.pack_into("<Q", v, 4, 77), "its group 77 is missing"),
+        (lambda v, g: g.__delitem__(slice(struct.unpack_from("<I", v, 12)[0] + 8, None)), "points to bytes"),
+    ],
+)
+def test_lying_pointers_give_the_same_errors_both_ways(tmp_path: Any, edit: Any, words: str) -> None:
+    """A pointer out of its group, unaligned, empty, to a missing or a truncated group: the same CorruptSampleError
+    (the Python path's words) from ds[i] and __getitems__ on the core and the Python path, and from the loader."""
+    path = tmp_path / "c.lmdb"
+    ds = CachedDataset(Synthetic(16), str(path))
+    ds.__getitems__(list(range(16)))
+    ds.close()
+    with raw_cache(path) as (txn, samples, _):
+        value = bytearray(txn.get(key(11), db=samples))
+        where = _group_key(bytes(value))
+        group = bytearray(txn.get(where, db=samples))
+        edit(value, group)
+        txn.put(key(11), bytes(value), db=samples)
+        txn.put(where, bytes(group), db=samples)
+    errors = _damaged_singles(str(path), 11)
+    assert len(set(errors)) == 1 and errors[0][0] is CorruptSampleError, errors
+    assert "index 11 points into a group, but" in errors[0][1] and words in errors[0][1]
+    for native in (True, False):
+        with contextlib.nullcontext() if native else _python_path():
+            reader = CachedDataset.open(str(path))
+            with pytest.raises(CorruptSampleError, match=f"index 11 points into a group, but .*{words}"):
+                _epoch(reader, 4)
+            reader.close()
+
+
+@needs_core
+def test_a_pointer_to_another_indexs_value_is_caught_both_ways(tmp_path: Any) -> None:
+    """A pointer made to point to index 4's value (a valid span): the checksums bound to the index refuse it, with
+    the same error on both paths, never index 4's sample."""
+    path = tmp_path / "c.lmdb"
+    ds = CachedDataset(Synthetic(16), str(path))
+    ds.__getitems__(list(range(16)))
+    ds.close()
+    with raw_cache(path) as (txn, samples, _):
+        txn.put(key(11), bytes(txn.get(key(4), db=samples)), db=samples)
+    errors = _damaged_singles(str(path), 11)
+    assert len(set(errors)) == 1 and errors[0][0] is CorruptSampleError, errors
+    assert "index 11 is damaged" in errors[0][1]
+
+
 _SINGLE_RECORD_CHILD = r"""
 import sys
 from lmdbcache import CachedDataset, LmdbCacheError, _native
@@ -742,7 +829,8 @@ for native in (True, False):
 def test_a_record_past_the_file_is_refused_by_single_reads_both_ways(tmp_path: Any) -> None:
     """A record whose length runs past data.mdb: ds[i] and __getitems__ raise CorruptCacheError on both paths."""
     path = tmp_path / "c.lmdb"
-    ds = CachedDataset(Listed([(_tensor(i, "uint8", (3, 64, 64)), i) for i in range(24)]), str(path))
+    # commit_every=1: each value its own record on overflow pages (format 4 groups a commit's small values)
+    ds = CachedDataset(Listed([(_tensor(i, "uint8", (3, 64, 64)), i) for i in range(24)]), str(path), commit_every=1)
     ds.__getitems__(list(range(24)))
     ds.close()
     data = bytearray((path / "data.mdb").read_bytes())
@@ -763,6 +851,38 @@ def test_a_record_past_the_file_is_refused_by_single_reads_both_ways(tmp_path: A
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()[-4:]
     assert all(line.startswith("CorruptCacheError") and "index 5" in line for line in lines), lines
+
+
+@needs_core
+def test_a_group_record_past_the_file_is_refused_both_ways(tmp_path: Any) -> None:
+    """A group whose record's length runs past data.mdb: ds[i] and __getitems__ of an index pointing into it raise
+    CorruptCacheError naming the index on both paths (never SIGBUS)."""
+    path = tmp_path / "c.lmdb"
+    ds = CachedDataset(Listed([(_tensor(i, "uint8", (3, 32, 32)), i) for i in range(24)]), str(path))
+    ds.__getitems__(list(range(24)))
+    ds.close()
+    data = bytearray((path / "data.mdb").read_bytes())
+    needle = b"\xffG" + bytes(8)  # group 0's key
+    at, found = data.find(needle), 0
+    while at >= 0:
+        if data[at - 4] & 0x01:  # F_BIGDATA: its length's high half grows
+            data[at - 6] ^= 0x20
+            found += 1
+        at = data.find(needle, at + 1)
+    assert found
+    (path / "data.mdb").write_bytes(bytes(data))
+    out = subprocess.run(
+        [sys.executable, "-c", _SINGLE_RECORD_CHILD, str(path)],
+        env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()[-4:]  # ds[5], then __getitems__([4, 5]) (its first index named), twice
+    assert all(line.startswith("CorruptCacheError") for line in lines), lines
+    assert all(f"index {i}" in line for i, line in zip([5, 4, 5, 4], lines)), lines
+    assert "points into group 0, whose record is broken (its 2,172,608-byte value" in lines[2], lines
 
 
 _REBUILD_CHILD = r"""

@@ -177,3 +177,18 @@ def test_torchrun_local_ranks_split_the_work(cache_dir):
         written.append(int(out.split()[1]))
     assert sum(written) == n and all(w == n // 2 for w in written)
     check_cache(cache_dir, n)
+
+
+def test_precompute_resumes_a_grouped_lazy_fill(cache_dir):
+    """precompute over a cache half filled lazily in shuffled order (groups, format 4) decodes only the missing
+    indices, keeps the cache's own layout (no packs), and leaves every index once, nothing orphaned."""
+    from test_compact import assert_nothing_orphaned
+    from test_tools import _grouped
+
+    n = 300
+    _grouped(cache_dir, n, 5, range(0, n, 3))
+    result = precompute(Synthetic(n), cache_dir, num_workers=0, progress=False, check_determinism=0)
+    assert result.skipped == 100 and result.written == 200
+    _registry._stores.clear()
+    assert sorted(assert_nothing_orphaned(cache_dir)) == list(range(n))
+    check_cache(cache_dir, n)

@@ -105,7 +105,7 @@ def test_two_scripts_fill_one_cache_at_once(cache_dir):
                 assert p.returncode == 0, err
     check_cache(cache_dir, n)
     with lmdb.open(str(cache_dir), max_dbs=2, readonly=True, lock=False) as env, env.begin() as txn:
-        assert txn.stat(env.open_db(b"samples", txn=txn, create=False))["entries"] == n
+        assert committed(txn, env.open_db(b"samples", txn=txn, create=False)) == n
 
 
 def test_reader_runs_while_another_process_fills(cache_dir):
@@ -157,9 +157,12 @@ def test_sigkilled_writer_then_clean_reopen(cache_dir):
 
 
 def committed(txn, samples) -> int:
-    """Samples stored: one per single record, a pack's count per pack (its header: magic, then the count)."""
+    """Samples stored: one per single record or pointer, a pack's count per pack (its header: magic, then the
+    count)."""
     total = 0
     for k, v in txn.cursor(db=samples):
+        if k[:2] == b"\xffG":
+            break  # groups (format 4) sort last: their values are counted by their indices' pointers
         total += 1 if len(k) == 8 else struct.unpack_from("<I", v, 4)[0]
     return total
 

@@ -13,7 +13,18 @@ import lmdb
 import msgpack
 import pytest
 import torch
-from helpers import Listed, Synthetic, assert_same, golden_samples, key, raw_cache, sample_for, source_reads, unmount
+from helpers import (
+    Listed,
+    Synthetic,
+    assert_same,
+    golden_samples,
+    key,
+    raw_cache,
+    sample_for,
+    source_reads,
+    stored,
+    unmount,
+)
 from test_processes import run_script
 
 import lmdbcache
@@ -162,17 +173,18 @@ def test_foreign_lmdb_environment_is_refused(cache_dir):
     ds.close()
 
 
-@pytest.mark.parametrize("version", [1, 2, 3])
+@pytest.mark.parametrize("version", [1, 2, 3, 4])
 def test_golden_caches_still_read(tmp_path, version):
-    """The tiny caches written by formats 1 to 3 (tests/data/golden-v*; v3 packed) decode to exactly their samples."""
+    """The tiny caches written by formats 1 to 4 (tests/data/golden-v*; v3 packed, v4 grouped) decode to exactly
+    their samples."""
     copy = tmp_path / "golden"
     copy.mkdir()
     shutil.copy(GOLDEN.parent / f"golden-v{version}" / "data.mdb", copy / "data.mdb")
     ds = CachedDataset.open(copy)
     meta = ds._live_store().meta()
     assert meta["format_version"] == version and meta["fingerprint"] == "golden"
-    assert version < lmdbcache.FORMAT_VERSION or version == lmdbcache.FORMAT_VERSION == 3, (
-        "a new format must keep reading golden-v1 to v3; add a golden directory beside them"
+    assert version < lmdbcache.FORMAT_VERSION or version == lmdbcache.FORMAT_VERSION == 4, (
+        "a new format must keep reading golden-v1 to v4; add a golden directory beside them"
     )
     expected = golden_samples(version)
     assert len(ds) == len(expected) and ds.is_complete
@@ -206,7 +218,7 @@ def test_a_value_under_the_wrong_key_is_damage(cache_dir):
     """One flipped bit in a key must not serve another index's sample: reads and verify call it damage."""
     _cache_with(cache_dir, 10)
     with raw_cache(cache_dir) as (txn, samples, _):
-        value = bytes(txn.get(key(3), db=samples))
+        value = bytes(stored(txn, samples, 3))
         txn.delete(key(5), db=samples)
         txn.put(key(5), value, db=samples)  # what index 3's key with one bit flipped (3 -> 7, ...) amounts to
     ds = CachedDataset.open(cache_dir)
@@ -291,7 +303,7 @@ def test_unreadable_metadata_is_a_clear_error(cache_dir):
 
 
 def test_format_1_cache_is_filled_in_the_current_format_and_still_reads(tmp_path):
-    """Opening a format-1 cache with its source marks it format 3 (same build); old and new values both read."""
+    """Opening a format-1 cache with its source marks it format 4 (same build); old and new values both read."""
     copy = tmp_path / "golden"
     copy.mkdir()
     shutil.copy(GOLDEN / "data.mdb", copy / "data.mdb")
@@ -304,7 +316,7 @@ def test_format_1_cache_is_filled_in_the_current_format_and_still_reads(tmp_path
     source = Listed(expected)
     ds = CachedDataset(source, copy, fingerprint="golden")
     meta = ds._live_store().meta()
-    assert meta["format_version"] == lmdbcache.FORMAT_VERSION == 3 and meta["upgraded_from"] == 1
+    assert meta["format_version"] == lmdbcache.FORMAT_VERSION == 4 and meta["upgraded_from"] == 1
     assert "compress" not in meta  # an upgraded cache stores values as they are encoded
     time.sleep(0.3)
     for i, sample in enumerate(expected):

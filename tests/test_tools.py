@@ -50,7 +50,10 @@ def crashing_cache(path: Path, after: int = 6) -> None:
 
     LMDB trusts the node offsets in a page: reading that key runs off the end of the file (SIGBUS).
     """
-    precompute(Synthetic(20), path, num_workers=0, check_determinism=0, progress=False, pack=0)  # one leaf node each
+    ds = CachedDataset(Synthetic(20), path, commit_every=1)  # one leaf node each, the value in it (no groups)
+    for i in range(20):
+        ds[i]
+    ds.close()
     data = bytearray((path / "data.mdb").read_bytes())
     node = b"\x00\x00\x08\x00" + struct.pack(">Q", after + 1)  # a leaf node's flags (0), key size (8), key
     at, patched = data.find(node), 0
@@ -393,3 +396,68 @@ def test_copy_or_merge_onto_a_hard_link_of_the_source_says_so(cache_dir, tmp_pat
     assert (cache_dir / "data.mdb").read_bytes() == before
     assert not (tmp_path / "merged").exists()
     check_cache(cache_dir, 10)
+
+
+# ---------------------------------------------------------------------- grouped caches (format 4)
+
+
+def _grouped(path, n: int, seed: int, indices=None) -> None:
+    """A cache at ``path`` filled lazily in shuffled order by commits of 16 (many groups, format 4)."""
+    import random
+
+    order = list(range(n)) if indices is None else list(indices)
+    random.Random(seed).shuffle(order)
+    ds = CachedDataset(Synthetic(n), path, commit_every=16)
+    for i in order:
+        assert_same(ds[i], sample_for(i))
+    ds.close()
+
+
+def test_merge_of_grouped_shards_is_grouped_whole_and_verified(tmp_path):
+    """Two shards filled lazily in shuffled order (groups, pointers) merge into one grouped cache: every index
+    once and right, nothing orphaned, verify clean."""
+    from test_compact import assert_nothing_orphaned
+
+    n = 200
+    _grouped(tmp_path / "a", n, 1, range(0, n, 2))
+    _grouped(tmp_path / "b", n, 2, range(1, n, 2))
+    tools.merge(tmp_path / "out", [tmp_path / "a", tmp_path / "b"])
+    _registry._stores.clear()
+    assert sorted(assert_nothing_orphaned(tmp_path / "out")) == list(range(n))
+    assert "all intact" in cli("verify", str(tmp_path / "out"), "--quiet").stdout
+    check_cache(tmp_path / "out", n)
+
+
+def test_copy_of_a_grouped_cache_reads_the_same(tmp_path):
+    """lmdbcache copy of a grouped cache: the same pointers and groups, every sample right, verify clean."""
+    from test_compact import assert_nothing_orphaned, layout
+
+    n = 150
+    _grouped(tmp_path / "src", n, 3)
+    tools.copy_cache(tmp_path / "src", tmp_path / "dst")
+    _registry._stores.clear()
+    assert layout(tmp_path / "dst") == layout(tmp_path / "src")
+    assert sorted(assert_nothing_orphaned(tmp_path / "dst")) == list(range(n))
+    assert "all intact" in cli("verify", str(tmp_path / "dst"), "--quiet").stdout
+    check_cache(tmp_path / "dst", n)
+
+
+def test_repair_of_a_damaged_grouped_value_drops_its_pointer_only(tmp_path):
+    """A flipped byte of a value inside a group: verify names that index alone; --repair deletes its pointer (the
+    group and its other indices stay), and the sample is decoded again on its next read."""
+    from test_compact import layout
+
+    n, path = 64, tmp_path / "c"
+    _grouped(path, n, 4)
+    before, _, groups = layout(path)
+    _flip_in_file(path / "data.mdb", bytes(sample_for(17)[0].flatten().tolist()))
+    assert "1 damaged: 17." in cli("verify", str(path), "--quiet", check=1).stdout
+    assert "deleted 1 damaged (17)" in cli("verify", str(path), "--repair", "--quiet").stdout
+    after, singles, groups_after = layout(path)
+    assert after == {i: p for i, p in before.items() if i != 17} and singles == [] and groups_after == groups
+    assert "all intact" in cli("verify", str(path), "--quiet").stdout
+    ds = CachedDataset(Synthetic(n), path, spot_check=0)
+    assert ds.cached_count == n - 1
+    assert_same(ds[17], sample_for(17))
+    ds.close()
+    check_cache(path, n)

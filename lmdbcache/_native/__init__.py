@@ -77,8 +77,9 @@ REASONS: dict[int, str] = {
     23: "the tree above it is deeper than its database says, or malformed",
     24: "the samples database's own record is broken",
     25: "its pack's header does not hold its value",
+    26: "it points into a group that is missing or does not hold its span",
 }
-OK, NOTFOUND, RETRY, PACK = 0, 1, 2, 25
+OK, NOTFOUND, RETRY, PACK, GROUP = 0, 1, 2, 25, 26
 
 
 def reason(code: int) -> str:

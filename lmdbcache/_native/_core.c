@@ -558,6 +558,8 @@ static PyObject *py_locate(PyObject *self, PyObject *args) {
 
 #define SPAN 32
 #define LK_PACK 25 /* a pack whose header does not hold the index's value (lmdbcache/_pack.py) */
+#define LK_GROUP 26 /* a pointer whose group is missing or does not hold its span (lmdbcache/format/_group.py) */
+#define GROUP_POINTER 20
 
 static inline void put_be64(uint8_t *p, uint64_t v) {
     for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (56 - 8 * i));
@@ -593,8 +595,49 @@ static void advise_if_cold(const Map *m, uint64_t offset, uint64_t size) {
 #endif
 }
 
-/* Locate one index as Reader._fetch does: (packs on) its value in its chunk's pack, else its single record. */
-static int locate_index(const Map *m, uint64_t root, unsigned depth, uint64_t index, uint64_t pack,
+/* The groups a snapshot's reads found, by id modulo GROUP_SLOTS: a warm random read then costs one tree lookup,
+ * as a value stored alone does, not two. Valid for one snapshot and one map (a Tree, or one locate_batch call):
+ * a group's record never moves within a snapshot. */
+#define GROUP_SLOTS 16
+typedef struct {
+    uint64_t id, at, size;
+    int used;
+} GroupSlot;
+typedef struct {
+    GroupSlot slot[GROUP_SLOTS];
+} Groups;
+
+/* A value of GROUP_POINTER bytes starting with "LMGP" is a pointer into a group (lmdbcache/format/_group.py):
+ * u64 group id, u32 offset, u32 length. Follow it: the group's record (key 0xff 'G' + the id big-endian) is
+ * located in the same tree, and the value must lie inside it at an 8-byte aligned offset (_group.span). On
+ * entry [*offset, *offset + GROUP_POINTER) is the pointer (checked against the map by leaf_value); on
+ * success the value's span, within the group's record, itself checked against the map by leaf_value (now or
+ * when ``seen``, if not NULL, remembered it). */
+static int group_value(const Map *m, uint64_t root, unsigned depth, Groups *seen, uint64_t *offset, uint64_t *size) {
+    const uint8_t *v = m->base + *offset, *p, *nd;
+    if (memcmp(v, "LMGP", 4)) return LK_OK; /* a value that happens to be 20 bytes long */
+    uint64_t group = le64(v + 4), at = le32(v + 12), len = le32(v + 16), gat, gsz;
+    GroupSlot *slot = seen ? &seen->slot[group % GROUP_SLOTS] : NULL;
+    if (slot && slot->used && slot->id == group) {
+        gat = slot->at; /* found (and checked against the map) earlier in this snapshot */
+        gsz = slot->size;
+    } else {
+        uint8_t key[10] = {0xff, 'G'};
+        put_be64(key + 2, group);
+        int rc = tree_find(m, root, depth, key, 10, &p, &nd);
+        if (rc == LK_NOTFOUND) return LK_GROUP;
+        if (rc || (rc = leaf_value(m, p, nd, &gat, &gsz))) return rc;
+        if (slot) *slot = (GroupSlot){group, gat, gsz, 1};
+    }
+    if (at % 8 || len == 0 || at + len > gsz) return LK_GROUP; /* at, len < 2**32: no overflow */
+    *offset = gat + at;
+    *size = len;
+    return LK_OK;
+}
+
+/* Locate one index as Reader._fetch does: (packs on) its value in its chunk's pack, else its single record (or
+ * the value its pointer points to in a group). */
+static int locate_index(const Map *m, uint64_t root, unsigned depth, Groups *seen, uint64_t index, uint64_t pack,
                         uint64_t length, uint64_t *offset, uint64_t *size) {
     uint8_t key[9];
     const uint8_t *p, *nd;
@@ -614,7 +657,8 @@ static int locate_index(const Map *m, uint64_t root, unsigned depth, uint64_t in
     }
     put_be64(key, index);
     rc = tree_find(m, root, depth, key, 8, &p, &nd);
-    return rc ? rc : leaf_value(m, p, nd, offset, size);
+    if (rc || (rc = leaf_value(m, p, nd, offset, size))) return rc;
+    return *size == GROUP_POINTER ? group_value(m, root, depth, seen, offset, size) : LK_OK;
 }
 
 PyDoc_STRVAR(py_locate_batch_doc,
@@ -659,12 +703,13 @@ static PyObject *py_locate_batch(PyObject *self, PyObject *args) {
     }
     int rc = LK_OK;
     Py_ssize_t k;
+    Groups *seen = PyMem_Calloc(1, sizeof(Groups)); /* NULL (no memory): every group looked up */
     Py_BEGIN_ALLOW_THREADS
     for (k = 0; k < n; k++) {
         uint8_t *rec = spans + k * SPAN;
         uint64_t index, offset = 0, size = 0;
         memcpy(&index, rec + 16, 8);
-        rc = locate_index(&m, root, depth, index, pack, length, &offset, &size);
+        rc = locate_index(&m, root, depth, seen, index, pack, length, &offset, &size);
         if (rc) break;
         if (advise_min && size >= advise_min) advise_if_cold(&m, offset, size);
         memcpy(rec, &offset, 8);
@@ -672,6 +717,7 @@ static PyObject *py_locate_batch(PyObject *self, PyObject *args) {
         rec[24] = always || !have_verified || index >= (uint64_t)vb.len || !((const uint8_t *)vb.buf)[index];
     }
     Py_END_ALLOW_THREADS
+    PyMem_Free(seen);
     if (have_verified) PyBuffer_Release(&vb);
     return Py_BuildValue("inN", rc, rc ? k : (Py_ssize_t)0, blob);
 }
@@ -705,7 +751,7 @@ static PyObject *py_locate_index(PyObject *self, PyObject *const *args, Py_ssize
     if (a[4] > MAX_DEPTH) a[4] = MAX_DEPTH + 1; /* tree_find refuses it (LK_TREE) */
     if (map_from(&m, a[0], a[1], a[2]) < 0) return NULL;
     uint64_t offset = 0, size = 0;
-    int rc = locate_index(&m, a[3], (unsigned)a[4], a[5], a[6], a[7], &offset, &size);
+    int rc = locate_index(&m, a[3], (unsigned)a[4], NULL, a[5], a[6], a[7], &offset, &size);
     if (rc == LK_OK && a[8] && size >= a[8]) advise_if_cold(&m, offset, size);
     PyObject *out = PyTuple_New(3);
     if (out == NULL) return NULL;
@@ -727,6 +773,7 @@ typedef struct {
     PyObject_HEAD Map m;
     uint64_t root, pack, length, advise_min;
     unsigned depth;
+    Groups groups; /* zeroed by tp_alloc */
 } TreeObject;
 
 static PyObject *tree_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -763,7 +810,7 @@ static PyObject *tree_value(PyObject *self, PyObject *arg) {
     unsigned long long index = PyLong_AsUnsignedLongLong(arg);
     if (index == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
     uint64_t offset = 0, size = 0;
-    int rc = locate_index(&t->m, t->root, t->depth, index, t->pack, t->length, &offset, &size);
+    int rc = locate_index(&t->m, t->root, t->depth, &t->groups, index, t->pack, t->length, &offset, &size);
     if (rc == LK_NOTFOUND) Py_RETURN_NONE;
     if (rc != LK_OK) return PyLong_FromLong(rc);
     if (t->advise_min && size >= t->advise_min) advise_if_cold(&t->m, offset, size);

@@ -14,16 +14,15 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
-from .._version import FORMAT_VERSION
-
 if TYPE_CHECKING:
     import torch
 
-# The header's version byte: 2 for a value as format 2 wrote it (format 3 writes its values
-# unchanged), 3 for a value whose buffers are framed and compressed (format 3, ``_compress``).
+# The header's version byte: 2 for a value as format 2 wrote it (formats 3 and 4 write their values
+# unchanged), 3 for a value whose buffers are framed and compressed (format 3, ``_compress``; format 4
+# writes them unchanged: it changed where values are stored, ``_group``, not their bytes).
 # A bump that changes the value layout must teach decode() the old one, as format 1 is taught there.
 MAGIC = b"LMC\x02"
-FRAMED_MAGIC = b"LMC" + bytes([FORMAT_VERSION])
+FRAMED_MAGIC = b"LMC\x03"
 HEAD = struct.Struct("<4sIQQ")
 # The header, the structure's first byte and, in a flat structure, its signature length.
 HEAD_AND_FLAT = struct.Struct("<4sIQQBH")

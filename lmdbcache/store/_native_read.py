@@ -15,6 +15,7 @@ the batch as before (no map address known here, or the snapshot kept moving).
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -22,14 +23,16 @@ import lmdb
 
 from .. import _native
 from .._native.batch import Spans
-from ..errors import CorruptCacheError, CorruptSampleError
+from ..errors import CorruptCacheError, CorruptSampleError, LmdbCacheError
 from ..format import _pack
+from ._groups import deref
 from ._guard import PREFETCH_MIN
 from ._handle import Handle
 from ._lmdb_errors import REBUILD
 
 __all__ = ["MISSING", "copy_native", "native_lookup", "native_spans", "native_tree"]
 
+_index_key = struct.Struct(">Q").pack  # an index's key
 MISSING: Any = type("Missing", (), {"__repr__": lambda self: "MISSING"})()
 
 
@@ -182,8 +185,11 @@ def _pack_problem(r: Hits, tree: tuple[Any, ...], index: int) -> str | None:
     return found if isinstance(found, str) else None
 
 
-def _damage(r: Hits, code: int, index: int | None, tree: tuple[Any, ...] | None = None) -> CorruptCacheError:
-    """The error for a failed native lookup (``index`` None: the samples database's), worded as the guard's."""
+def _damage(r: Hits, code: int, index: int | None, tree: tuple[Any, ...] | None = None) -> LmdbCacheError:
+    """The error for a failed native lookup (``index`` None: the samples database's), worded as the guard's; a
+    pointer into a group that lies is the index's ``CorruptSampleError``, worded as the Python path's."""
+    if code == _native.GROUP and index is not None:
+        return _group_error(r, index, tree)
     why = (r._h._guard.unreadable if r._h._guard is not None else "") or _native.reason(code)
     if index is None:
         return CorruptCacheError(
@@ -202,6 +208,25 @@ def _damage(r: Hits, code: int, index: int | None, tree: tuple[Any, ...] | None 
     return CorruptCacheError(
         f"Cache '{r._h.path}' is damaged: the record of index {index} is broken ({why}); it was not read. {REBUILD}"
     )
+
+
+def _group_error(r: Hits, index: int, tree: tuple[Any, ...] | None) -> LmdbCacheError:
+    """The Python path's error for the pointer of ``index`` that the core found lying (``_groups.deref``)."""
+    h = r._h
+    generic = CorruptSampleError(
+        f"Cache '{h.path}': the stored entry of index {index} points into a group, but "
+        f"{_native.reason(_native.GROUP)}; it was not read. Run `lmdbcache verify --repair {h.path}` to drop "
+        "damaged entries (they are decoded again from the source on the next read)."
+    )
+    txn = tree[0] if tree is not None else None
+    try:
+        if txn is not None:
+            deref(h, txn, txn.get(_index_key(index), db=h._samples), index, None)
+    except CorruptSampleError as exc:
+        return exc
+    except lmdb.Error:
+        pass
+    return generic
 
 
 def copied(r: Hits, copy: Callable[[Any, Any], Any], views: Any, checks: Any) -> Any:

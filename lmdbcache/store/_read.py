@@ -23,6 +23,11 @@ as a single record; its span is checked against the pack's header (and the recor
 before that, on the first read of the index) and the value is a slice of the pack, decoded as
 a single record is. Scans merge packs and singles in index order, and report an index stored
 in both (a hostile file).
+
+Groups (``_group``, format 4): a stored value that is a pointer is followed into its group
+(``_groups.deref``: the group's record bounds-checked, the pointer's span checked against it, the
+groups of the kept read transaction remembered like its packs); the value is a slice of the group,
+decoded as a single record is. A pointer that lies is the index's ``CorruptSampleError``.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ import lmdb
 
 from .. import _native
 from ..errors import CorruptCacheError, CorruptSampleError, LmdbCacheError
-from ..format import _pack, codec
+from ..format import _group, _pack, codec
+from ._groups import deref as _deref
 from ._guard import PREFETCH_MIN
 from ._handle import Handle
 from ._lmdb_errors import REBUILD, translate
@@ -51,6 +57,7 @@ _PKEY = _pack.key
 _TAG = _pack.TAG
 _span = _pack.span
 _pair = struct.Struct("<II").unpack_from
+_POINTER_SIZE = _group.POINTER_SIZE
 _PACKS_KEPT = 1 << 16  # packs remembered per read transaction (a view each)
 assert _pack.SMALL == PREFETCH_MIN  # a packed value is small: read by the small-value path, never _large
 _decode = codec.decode
@@ -85,6 +92,8 @@ class Reader:
         self._rtxn_expires = 0.0
         # Packs (views) looked up in that kept transaction, by first index; forgotten with it (_pack_of).
         self._packs: dict[int, Any] = {}
+        # Groups (views) looked up in that kept transaction, by id; forgotten with it (_groups.group_view).
+        self._groups: dict[int, Any] = {}
         # Its samples tree as the compiled core reads it (_native_read.native_tree), found once per transaction.
         self._tree: tuple[Any, ...] | None = None
         # Byte i set: this process has verified index i's data checksum (checksum="once"). A byte
@@ -105,6 +114,7 @@ class Reader:
     def _drop_reader(self) -> None:
         """End the kept read transaction; what was found in it (pack views, the core's tree) goes with it."""
         self._packs.clear()  # views into the transaction's snapshot: never used past it
+        self._groups.clear()
         self._tree = None
         txn, self._rtxn = self._rtxn, None
         if txn is not None:
@@ -157,6 +167,8 @@ class Reader:
                         raw = whole[at:end] if 8 < at < end else self._slice(whole, index, first)
                     else:  # the dataset's last chunk (fewer values), or a broken pack
                         raw = self._slice(whole, index, first)
+                    if raw is not None and len(raw) == _POINTER_SIZE:  # maybe a pointer into a group (format 4)
+                        raw = _deref(self._h, txn, raw, index, self._groups)
                 except lmdb.Error as exc:
                     raise self._read_failure(exc, index) from exc
                 if raw is not None:
@@ -197,7 +209,13 @@ class Reader:
         With packs, the chunk's pack is looked up first (a complete chunk is packed), then the single record.
         """
         raw = self._packed(txn, index)
-        return raw if raw is not None else self._record(txn, _KEY(index), index)
+        if raw is not None:
+            return raw
+        raw = self._record(txn, _KEY(index), index)
+        try:
+            return _deref(self._h, txn, raw, index, self._groups if txn is self._rtxn else None)
+        except lmdb.Error as exc:
+            raise self._read_failure(exc, index) from exc
 
     def _packed(self, txn: lmdb.Transaction, index: int) -> Any:
         """The value of ``index`` sliced out of its chunk's pack (span checked), or None: packs off, chunk unpacked."""
@@ -397,7 +415,8 @@ class Reader:
         if not verified_before:
             return self._fetch(txn, index)
         try:
-            return self._small(txn, index) if verified_before == 1 else self._large(txn, index)
+            raw = self._small(txn, index) if verified_before == 1 else self._large(txn, index)
+            return _deref(self._h, txn, raw, index, self._groups if txn is self._rtxn else None)
         except lmdb.Error as exc:
             raise self._read_failure(exc, index) from exc
 

@@ -5,7 +5,9 @@ holds only its own state (the last pack it found sound); everything else it asks
 store's handle: the lock, checked read transactions, the adopted build's packing and length,
 the guard. Used by verify, merge, copy and precompute's resume. Short read transactions: a
 long scan never pins a snapshot that writers must move past. An index stored both alone and
-in a pack, a key that is neither, or a broken pack is a ``CorruptCacheError`` naming it.
+in a pack, a key that is neither, or a broken pack is a ``CorruptCacheError`` naming it. A value that is a
+pointer into a group (format 4, ``_group``) is followed into it; the groups' keys sort after every index,
+so a scan ends where they begin, and a pointer that lies is a ``CorruptCacheError`` naming its index.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from typing import Any
 
 import lmdb
 
-from ..errors import CorruptCacheError
-from ..format import _pack
+from ..errors import CorruptCacheError, CorruptSampleError
+from ..format import _group, _pack
+from ._groups import deref
 from ._handle import Handle
 from ._lmdb_errors import REBUILD, translate
 
@@ -54,6 +57,8 @@ class Scanner:
                     for start in starts:
                         if cursor.set_range(_KEY(start)) or cursor.first():
                             key = cursor.key()
+                            if len(key) != 8 and cursor.first():  # past the last index: the groups' keys
+                                key = cursor.key()
                             if len(key) == 8 and _UNKEY(key)[0] not in found:
                                 found.append(_UNKEY(key)[0])
                 except lmdb.Error as exc:
@@ -75,9 +80,11 @@ class Scanner:
         path = self._h.path
         while True:
             batch: list[tuple[int, Any]] = []
+            end = False
             with self._h._lock, self._h._begin_checked(self._h._env or self._h._env_or_open()) as txn:
                 pack = self._h._pack  # the adopted build's (known once the environment is open)
                 key = _KEY(start - start % pack if pack else start)
+                groups: dict[int, Any] = {}  # the groups seen in this transaction (views), by id
                 try:
                     cursor = txn.cursor(db=self._h._samples)
                     covered, single = -1, -1  # the end of the last pack seen, the last single index seen
@@ -87,7 +94,10 @@ class Scanner:
                             if index < covered:
                                 raise CorruptCacheError(self._twice(index, covered))
                             if index >= start:
-                                batch.append((index, bytes(self._view(cursor, k, index)) if values else None))
+                                batch.append((index, self._value(txn, cursor, k, index, groups) if values else None))
+                        elif _group.id_of(k) is not None:
+                            end = True  # the groups sort after every index: the scan is over
+                            break
                         else:
                             first, n = self.pack_key(k)
                             if single >= first:
@@ -114,7 +124,7 @@ class Scanner:
                 except lmdb.Error as exc:
                     raise translate(exc, self._h.path, f"scanning (near index {start})") from exc
             yield from batch
-            if len(batch) < chunk or batch[-1][0] == 2**64 - 1:
+            if end or len(batch) < chunk or batch[-1][0] == 2**64 - 1:
                 return
             start = batch[-1][0] + 1
 
@@ -128,6 +138,13 @@ class Scanner:
         if problem is None:
             self._sound_pack = seen
         return problem
+
+    def _value(self, txn: lmdb.Transaction, cursor: lmdb.Cursor, key: Any, index: int, groups: dict[int, Any]) -> bytes:
+        """The stored value of ``index`` at ``cursor`` as bytes, followed into its group if it is a pointer."""
+        try:
+            return bytes(deref(self._h, txn, self._view(cursor, key, index), index, groups))
+        except CorruptSampleError as exc:  # a pointer that lies: this index's damage (verify reports it)
+            raise CorruptCacheError(str(exc)) from None
 
     def _view(self, cursor: lmdb.Cursor, key: Any, index: int) -> Any:
         """The value at ``cursor`` (whose key is ``key``), its record checked before it is touched (see _guard)."""
@@ -155,12 +172,22 @@ class Scanner:
             f"{end - 1}. {REBUILD}"
         )
 
+    def count_groups(self, txn: lmdb.Transaction) -> int:
+        """How many group records ``txn`` holds (their keys sort last, after every index)."""
+        cursor, total = txn.cursor(db=self._h._samples), 0
+        if cursor.set_range(_group.PREFIX):
+            for key in cursor.iternext(values=False):
+                total += _group.id_of(key) is not None
+        return total
+
     def count_packed(self, txn: lmdb.Transaction) -> int:
         """A walk over the keys only. Keys that sort before index 0 are left to ``keys_before_start`` (verify
         reports them); any other key that is neither an index nor a pack's is ``CorruptCacheError``."""
         cursor, total = txn.cursor(db=self._h._samples), 0
         if cursor.set_range(_FIRST_KEY):
             for key in cursor.iternext(values=False):
+                if len(key) != 8 and _group.id_of(key) is not None:
+                    break  # the groups sort after every index
                 total += 1 if len(key) == 8 else self.pack_key(key)[1]
         return total
 

@@ -292,7 +292,11 @@ class Store:
         with self._lock, h._begin_checked(h._env or h._env_or_open()) as txn:
             try:
                 # A pack is one record holding many samples: its count comes from its key and the length.
-                count = self._scanner.count_packed(txn) if h._pack else int(txn.stat(h._samples)["entries"])
+                count = (
+                    self._scanner.count_packed(txn)
+                    if h._pack
+                    else int(txn.stat(h._samples)["entries"]) - self._scanner.count_groups(txn)
+                )
             except lmdb.Error as exc:
                 raise translate(exc, self.path, "counting the samples of") from exc
         assert h._meta is not None

@@ -14,6 +14,12 @@ index of it committed or in the batch, each value small) writes the chunk's pack
 its single records in the same transaction: a process killed at any instant leaves either
 the singles or the pack, and a reader's older snapshot still sees the singles. A chunk
 written whole by one batch (``precompute``) goes straight into its pack.
+
+Groups (``_group``, format 4). In a cache without packs, a commit's small values (under
+``_group.SMALL``) whose indices are not stored yet go into one group record, in the batch's order,
+and each index gets a pointer into it, in the same transaction: a SIGKILL leaves both or neither,
+and an index another process stored first adds no byte to the group (the first commit wins).
+``delete`` deletes a pointer only; its bytes stay in the group until the cache is rewritten.
 """
 
 from __future__ import annotations
@@ -26,14 +32,14 @@ from typing import Any
 import filelock
 import lmdb
 
-from ..errors import CacheMismatchError, LmdbCacheError, ReadOnlyCacheError
-from ..format import _pack
+from ..errors import CacheMismatchError, CorruptCacheError, LmdbCacheError, ReadOnlyCacheError
+from ..format import _group, _pack
 from . import _fs, _metadata
 from ._commit import CommitQueue, Policy
 from ._env import grown_size
 from ._fs import WRITE_LOCK
 from ._handle import Handle
-from ._lmdb_errors import write_failure
+from ._lmdb_errors import REBUILD, write_failure
 from ._signals import interrupts_held
 
 __all__ = ["Writer", "sync_and_clear"]
@@ -180,12 +186,7 @@ class Writer:
                     written = 0
                     with env.begin(write=True) as txn:
                         self._check_cache_id(txn)
-                        if self._h._pack:
-                            written = self._put_packed(txn, batch)
-                        else:
-                            put, db = txn.put, self._h._samples
-                            for key, value in items:
-                                written += put(key, value, db=db, overwrite=False)
+                        written = self._put_packed(txn, batch) if self._h._pack else self._put_grouped(txn, batch)
                     if durable:
                         env.sync(True)
                     else:
@@ -225,6 +226,43 @@ class Writer:
                             continue
                         txn.put(_KEY(index), _pack.value(whole, index - first, n), db=db)
         return deleted
+
+    def _put_grouped(self, txn: lmdb.Transaction, batch: list[tuple[int, bytes]]) -> int:
+        """Write ``batch`` into ``txn``: its small values absent so far as groups and pointers, the rest alone.
+
+        An index already present is skipped (the first commit wins) before its value joins a group, so a
+        group holds no byte that nothing points to. A lone small value is stored alone: a group of one
+        saves nothing. Returns how many indices were new.
+        """
+        db, get, put = self._h._samples, txn.get, txn.put
+        written, small = 0, []
+        for index, value in batch:
+            if len(value) >= _group.SMALL:
+                written += put(_KEY(index), value, db=db, overwrite=False)
+            elif get(_KEY(index), db=db) is None:
+                small.append((index, value))
+        if len(small) < 2:
+            return written + sum(put(_KEY(i), v, db=db, overwrite=False) for i, v in small)
+        group = self._next_group(txn)
+        at = 0
+        while at < len(small):
+            end, size = at, 0
+            while end < len(small) and (end == at or size + len(small[end][1]) + 8 <= _group.MAX_GROUP):
+                size += len(small[end][1]) + 8
+                end += 1
+            record, spans = _group.build([v for _, v in small[at:end]])
+            if not put(_group.key(group), record, db=db, overwrite=False):
+                raise CorruptCacheError(f"Cache '{self._h.path}' is damaged: a key sorts after its groups'. {REBUILD}")
+            for (index, _), (offset, length) in zip(small[at:end], spans):
+                put(_KEY(index), _group.pointer(group, offset, length), db=db)
+            group, at = group + 1, end
+        return written + len(small)
+
+    def _next_group(self, txn: lmdb.Transaction) -> int:
+        """The id of the next group: one past the last group's (group keys sort last), or 0."""
+        cursor = txn.cursor(db=self._h._samples)
+        last = _group.id_of(cursor.key()) if cursor.last() else None
+        return 0 if last is None else last + 1
 
     def _settings(self) -> dict[str, Any]:
         """The build's creation settings, for the unsynced-commits marker."""

@@ -29,8 +29,10 @@ def golden_samples(version: int | str = 1) -> list[Any]:
             (torch.arange(8192, dtype=torch.int64) % 7, 1),  # flat, one compressed buffer
             {"mask": ramp.reshape(64, 64), "raw": np.arange(10, dtype="<i8"), "t": [torch.zeros(2048)]},
         ]
-    if version == 3:
-        return golden_samples(2)  # golden-v3 is packed (pack=2): the layout changed, not what a value holds
+    if version in (3, 4):
+        # golden-v3 is packed (pack=2), golden-v4 grouped (one commit: one group, a pointer per index):
+        # the layout changed, not what a value holds
+        return golden_samples(2)
     if isinstance(version, int) and version >= 2:
         padded = np.dtype({"names": ["a", "b"], "formats": ["<u1", "<f8"], "offsets": [0, 8], "itemsize": 24})
         records = np.zeros(2, dtype=padded)  # zeros: the padding bytes are stored too
@@ -76,7 +78,7 @@ if __name__ == "__main__":
         sys.exit(f"{target} exists: golden caches are never rewritten")
     write_golden(target, FORMAT_VERSION)
     print(f"wrote {target}")
-    zstd = HERE / f"golden-v{FORMAT_VERSION}-zstd"  # compressed values: format 3 on
-    if not zstd.exists():
+    zstd = HERE / f"golden-v{FORMAT_VERSION}-zstd"  # compressed values: format 3's (format 4 wrote none new)
+    if FORMAT_VERSION == 3 and not zstd.exists():
         write_golden(zstd, f"{FORMAT_VERSION}-zstd", compress="zstd")
         print(f"wrote {zstd}")

@@ -1,0 +1,98 @@
+"""Groups: the small values of one commit stored as one record, each index pointing into it (issue #25, format 4).
+
+Why. LMDB keeps a value in its leaf page only up to about half a page (~2 KiB with 4 KiB pages),
+and pages filled in random key order stay about 2/3 full; a larger value takes whole overflow
+pages (3 KiB -> 4 KiB, 6 KiB -> 8 KiB). A cache filled lazily in shuffled order, the default way,
+so stored 1.35x to 2-3x its payload (packs, ``_pack``, only help an in-order fill). In format 4
+the values a commit writes that are smaller than ``SMALL`` are concatenated, in the order the
+commit holds them, into one group record; each index keeps a small pointer under its own key.
+The group takes contiguous overflow pages (under one page lost per commit), and only the
+pointers (20 bytes each) sit in half-full leaf pages, whatever the order of the fill.
+
+Keys. A group's key is ``b"\\xffG"`` and its id as 8 bytes big-endian (10 bytes): it sorts after
+every index key (an index is below 2**63, so its key's first byte is below 0x80) and every pack
+key, so a scan in index order meets the groups only after the last index and stops there. Group
+ids increase by one per group (the writer takes the last key's id plus one, under the write lock).
+
+Pointer, the value under an index's key, all integers little-endian (20 bytes)::
+
+    offset  size  field
+    0       4     magic b"LMGP" (a stored value starts with b"LMC")
+    4       8     the group's id (u64)
+    12      4     the value's offset in the group (u32)
+    16      4     the value's length (u32)
+
+Group: the values, each exactly as a single record stores it (``codec``), each starting at an
+8-byte aligned offset, zero padding between them; no header. A group is written with its
+pointers in one write transaction (both or neither survive a crash). A group and its pointers
+are untrusted input: a reader checks the pointer's span against the group record (``span``)
+before slicing, and the value's own checksums, bound to its index, catch a pointer to another
+index's value. Deleting an index (``verify --repair``) deletes its pointer; its bytes in the
+group stay until the cache is rewritten (``lmdbcache merge`` into a new cache).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+__all__ = ["MAGIC", "MAX_GROUP", "POINTER_SIZE", "PREFIX", "SMALL", "build", "id_of", "key", "pointer", "span"]
+
+MAGIC = b"LMGP"
+# Bytes: a value this large or larger is stored alone, as before (its overflow pages waste under 4 KiB,
+# under 25%, and most often far less); equal to _pack.SMALL and _guard.PREFETCH_MIN, so a grouped
+# value is always read by the small-value path.
+SMALL = 16384
+MAX_GROUP = 64 << 20  # bytes per group record: a larger commit writes several (offsets stay far below 4 GiB)
+PREFIX = b"\xffG"
+_KEY = struct.Struct(">2sQ")
+_POINTER = struct.Struct("<4sQII")
+POINTER_SIZE = _POINTER.size  # 20
+KEY_SIZE = _KEY.size  # 10
+pointer_of = _POINTER.unpack_from
+
+
+def key(group: int) -> bytes:
+    """The key of group ``group``."""
+    return _KEY.pack(PREFIX, group)
+
+
+def id_of(raw_key: bytes | memoryview) -> int | None:
+    """The id of a group's key, or None if ``raw_key`` is not a group key."""
+    if len(raw_key) != KEY_SIZE or bytes(raw_key[:2]) != PREFIX:
+        return None
+    return int(_KEY.unpack(bytes(raw_key))[1])
+
+
+def pointer(group: int, offset: int, length: int) -> bytes:
+    """The pointer to ``length`` bytes at ``offset`` of group ``group``."""
+    return _POINTER.pack(MAGIC, group, offset, length)
+
+
+def is_pointer(raw: bytes | memoryview) -> bool:
+    """Whether the stored value ``raw`` is a pointer into a group (else: a value stored alone)."""
+    return len(raw) == POINTER_SIZE and raw[:4] == MAGIC
+
+
+def target(raw: bytes | memoryview) -> tuple[int, int, int]:
+    """(group id, offset, length) of the pointer ``raw`` (``is_pointer``)."""
+    _, group, offset, length = pointer_of(raw)
+    return group, offset, length
+
+
+def span(size: int, offset: int, length: int) -> str | None:
+    """Why a pointer to ``length`` bytes at ``offset`` does not lie in a group of ``size`` bytes, or None."""
+    if offset % 8 or offset + length > size or not length:
+        return f"it points to bytes {offset} to {offset + length} of a {size}-byte group"
+    return None
+
+
+def build(values: Sequence[bytes | memoryview]) -> tuple[bytes, list[tuple[int, int]]]:
+    """The group of ``values`` and each value's (offset, length) in it."""
+    body = bytearray()
+    spans = []
+    for value in values:
+        spans.append((len(body), len(value)))
+        body += value
+        body += bytes(-len(value) % 8)
+    return bytes(body), spans
