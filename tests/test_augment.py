@@ -254,10 +254,10 @@ def test_bad_pipelines_are_refused_with_the_fix(tmp_path):
 def _lie(path, index: int, nbytes: int | None = None, dims: tuple[int, int, int] | None = None) -> None:
     """Rewrite the stored image shape of ``index`` as a buggy or hostile writer would, checksums made to match."""
     import xxhash
-    from helpers import key, raw_cache
+    from helpers import key, raw_cache, stored
 
     with raw_cache(path) as (txn, samples, _):
-        value = bytearray(txn.get(key(index), db=samples))
+        value = bytearray(stored(txn, samples, index))
         assert value[27:30] == b"T\x01\x03", "the image is the first item of the flat signature"
         if nbytes is not None:
             value[30:38] = struct.pack("<Q", nbytes & (2**64 - 1))

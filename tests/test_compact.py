@@ -134,7 +134,8 @@ def test_three_processes_filling_at_once_keep_the_first_writer(cache_dir):
             proc.kill()
             proc.wait()
     pointers = assert_nothing_orphaned(cache_dir)
-    assert sorted(pointers) == list(range(n))
+    _, singles, _ = layout(cache_dir)  # a commit that met one small value stores it alone: timing decides
+    assert sorted([*pointers, *singles]) == list(range(n))
     assert "all intact" in cli("verify", str(cache_dir), "--quiet").stdout
     check_cache(cache_dir, n)
 
