@@ -1,10 +1,14 @@
 """The read paths on the compiled core (``lmdbcache._native``): single reads located in one call each, a batch
 located in one call and copied in one per slice.
 
-``ReadPath.get`` and ``get_many`` locate each value in one call (``core.Tree.value``: the value's
-view in the map) in the samples tree of the kept read transaction, found once per transaction
-(``native_tree``: ``open_tree`` on its meta page, kept as ``_tree`` until the transaction ends), and
-hand it to ``decode`` as the Python path hands its views.
+``ReadPath.get`` and ``get_many`` read each value in one call (``core.Tree.sample``) in the samples tree
+of the kept read transaction, found once per transaction (``native_tree``: ``open_tree`` on its meta page,
+kept as ``_tree`` until the transaction ends). A flat value whose signature the decoder planned before
+(``_decode.NATIVE_PLANS``) comes back decoded: header, structure checksum and lengths checked, the data
+checksum on a first read (or every read: ``always``), the tensors copied out of the map into new
+buffers, the index marked verified. Anything else (another form, a first sight of a signature, any
+check that fails) comes back as the value's view, handed to ``decode`` as the Python path hands its
+views: so the two paths raise the same errors, worded by the same code.
 
 ``ReadPath.read_batch`` asks here first when the core is built: ``native_spans`` locates every
 value of the batch in the read transaction's snapshot (the core walks LMDB's pages itself, every
@@ -24,12 +28,27 @@ from .. import _native
 from .._native.batch import Spans
 from ..errors import CorruptCacheError, CorruptSampleError
 from ..format import _pack
+from ..format._decode import NATIVE_PLANS
+from ..format._decode import decode as _decode
 from ._guard import PREFETCH_MIN, MapGuard
 from ._lmdb_errors import REBUILD
 
-__all__ = ["MISSING", "copy_native", "native_lookup", "native_spans", "native_tree"]
+__all__ = ["MISSING", "copy_native", "decode_new", "native_lookup", "native_spans", "native_tree"]
 
 MISSING: Any = type("Missing", (), {"__repr__": lambda self: "MISSING"})()
+if _native.core is not None:
+    _native.core.set_plans(NATIVE_PLANS)  # the flat plans Tree.sample decodes with (the decoder fills them)
+_decode_flat = _native.core.decode_flat if _native.core is not None else None
+
+
+def decode_new(value: bytes, index: int) -> Any:
+    """The sample of ``value``, just encoded for ``index`` by this process (a miss): no data checksum.
+
+    A flat value is decoded by the core (``core.decode_flat``) when its signature is planned, else by ``decode``.
+    """
+    if _decode_flat is not None and (sample := _decode_flat(value, index, False)) is not None:
+        return sample
+    return _decode(value, index, verify_data=False)
 
 
 class Reader(Protocol):
@@ -108,8 +127,10 @@ def native_tree(h: Reader, txn: lmdb.Transaction) -> tuple[Any, ...]:
     (``_drop_reader`` forgets it); ``txn`` in it is a new transaction when the snapshot's meta page was
     reused before the core could read it (the caller then reads in that one: a fresh snapshot). ``view``
     None: the Python path reads in this transaction (no map address known here, no samples database in
-    the snapshot, or its meta page kept being reused). ``value(index)`` (``core.Tree.value``) is a single
-    read: a view of the value in the map, None if it is not stored, or an error code. A broken main
+    the snapshot, or its meta page kept being reused). ``value(index, always, verified)`` (``core.Tree.sample``)
+    is a single read: the decoded sample (a tuple: a flat value whose plan is known, its checks passed and
+    its index marked verified), else a view of the value in the map for ``decode``, None if it is not
+    stored, or an error code. A broken main
     database is looked at again after the guard finds the map and the file's size again, then raised as
     damage, worded as the guard's.
     """
@@ -125,7 +146,7 @@ def native_tree(h: Reader, txn: lmdb.Transaction) -> tuple[Any, ...]:
             break
         code, root, depth = core.open_tree(base, length, guard.page_size, txn.id(), b"samples")
         if code == _native.OK:
-            value = core.Tree(base, length, guard.page_size, root, depth, h._pack, h._length, PREFETCH_MIN).value
+            value = core.Tree(base, length, guard.page_size, root, depth, h._pack, h._length, PREFETCH_MIN).sample
             h._tree = tree = (txn, view, base, length, guard.page_size, root, depth, value)
             return tree
         if code == _native.RETRY:
@@ -165,7 +186,7 @@ def native_lookup(h: Reader, tree: tuple[Any, ...], index: int, code: int = -1) 
             fresh_base, length, fresh_view = h._guard.mapping()
             if fresh_base:
                 base, view = fresh_base, fresh_view
-                value = core.Tree(base, length, psize, root, depth, pack, n, PREFETCH_MIN).value
+                value = core.Tree(base, length, psize, root, depth, pack, n, PREFETCH_MIN).sample
                 h._tree = (txn, view, base, length, psize, root, depth, value)
     raise _damage(h, code, index, h._tree)
 

@@ -11,10 +11,11 @@ value (``_guard.PREFETCH_MIN`` bytes or more; flag byte 2 once verified) is look
 cursor and announced to the kernel before it is touched, so it is read in one I/O rather than
 a page fault per 4 KiB (issue #14). Warm, the advice would cost a 147 KiB read half its speed
 (a syscall walking 37 cached pages), so after ``_COLD_RUN`` fast reads it stops again.
-With the compiled core (``lmdbcache._native``; ``_native_read``), a hit is located in one C call
-instead (``core.Tree.value`` in the samples tree the core found once per kept transaction, packs
-included, every page and span checked against the map on every read) and decoded from a slice of
-the guard's view of the map; everything else above (flags, checksums, misses, errors) is the same.
+With the compiled core (``lmdbcache._native``; ``_native_read``), a hit is read in one C call
+instead (``core.Tree.sample`` in the samples tree the core found once per kept transaction, packs
+included, every page and span checked against the map on every read): a flat value comes back
+decoded and checked as above, any other a view for ``decode``; everything else above (flags,
+checksums, misses, errors) is the same.
 A miss is looked up again in a fresh snapshot (unless the read already began one: a miss
 costs one read transaction) and in this process's commit queue before it is reported ``MISSING``.
 
@@ -95,7 +96,9 @@ class ReadPath(Handle):
                     tree = native_tree(self, txn)
                     fresh = fresh or tree[0] is not txn  # a new snapshot: a miss in it needs no second look
                 if (value := tree[7]) is not None:
-                    if type(raw := value(index)) is not memoryview:
+                    if type(raw := value(index, always, verified)) is tuple:
+                        return raw  # decoded and checked in the core (_native_read)
+                    if type(raw) is not memoryview:
                         raw = None if raw is None else native_lookup(self, tree, index, raw)
                     if raw is None:
                         return self._queued(index, always) if fresh else self._get_fresh([index], always)[0]
@@ -293,7 +296,10 @@ class ReadPath(Handle):
             out = []
             for index in indices:
                 if tree is not None:
-                    if type(raw := tree[7](index)) is not memoryview and raw is not None:
+                    if type(raw := tree[7](index, always, verified)) is tuple:
+                        out.append(raw)  # decoded and checked in the core (_native_read)
+                        continue
+                    if type(raw) is not memoryview and raw is not None:
                         raw = native_lookup(self, tree, index, raw)
                         tree = self._tree or tree  # a failed lookup may have found the map again
                 else:
