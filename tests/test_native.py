@@ -1050,3 +1050,34 @@ def test_view_is_a_hashable_read_only_view_of_memory() -> None:
     for at, size in ((0, 1), (2**64 - 4, 8), (1, 2**63)):
         with pytest.raises(ValueError, match="not a span"):
             core.view(at, size)
+
+
+@needs_core
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise to drop the file's cached pages")
+def test_cold_large_values_read_the_same_both_ways(tmp_path: Any) -> None:
+    """Large values read while their pages are out of the page cache (announced, copied with the GIL released)
+    are byte-identical to the Python path's, first reads and verified ones."""
+    path = str(tmp_path / "c.lmdb")
+
+    def make(i: int) -> Any:
+        return (_tensor(i, "uint8", (3, 96, 96)), i)  # 27 KiB: over PREFETCH_MIN, so announced when cold
+
+    ds = CachedDataset(Listed([make(i) for i in range(12)]), path)
+    ds.__getitems__(list(range(12)))
+    ds.close()
+
+    def drop_cached_pages() -> None:
+        fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+    order = random.Random(3).sample(range(12), 12)
+    drop_cached_pages()
+    native = _reads(path, order)
+    drop_cached_pages()
+    with _python_path():
+        python = _reads(path, order)
+    assert native == python and native[:12] == [_bytes_of(make(i)) for i in order]

@@ -583,13 +583,16 @@ static long os_page = 0;
  * copied: one read for all of it instead of a page fault per page, since the map is opened without readahead
  * (issue #14, lmdbcache/_guard.py). mincore() of one page tells cold from warm: a warm value costs that one
  * syscall, never the advice's walk over its cached pages. Only advice: nothing is touched, failures are ignored. */
-static void advise_if_cold(const Map *m, uint64_t offset, uint64_t size) {
+static int advise_if_cold(const Map *m, uint64_t offset, uint64_t size) {
 #ifdef HAVE_ADVICE
-    if (os_page <= 0) return;
+    if (os_page <= 0) return 0;
     uintptr_t start = (uintptr_t)(m->base + offset), first = start - start % (uintptr_t)os_page;
     unsigned char resident = 0;
-    if (mincore((void *)first, (size_t)os_page, &resident) == 0 && (resident & 1)) return;
+    if (mincore((void *)first, (size_t)os_page, &resident) == 0 && (resident & 1)) return 0;
     madvise((void *)first, (size_t)(start + size - first), MADV_WILLNEED); /* the map is page-aligned: first >= base */
+    return 1;
+#else
+    return 0;
 #endif
 }
 
@@ -828,8 +831,9 @@ static PyObject *plan_of(const uint8_t *sig, Py_ssize_t n) {
 
 /* The sample of the flat value at v (size bytes, checked against the map) under ``index``, or NULL with no
  * exception set: not a planned flat value, or a check failed (the caller hands Python the view). Every offset
- * below is checked against ``size`` first; ``verify``: the data checksum too. */
-static PyObject *flat_sample(const uint8_t *v, uint64_t size, uint64_t index, int verify) {
+ * below is checked against ``size`` first; ``verify``: the data checksum too; ``cold``: the value is being read
+ * from the disk (advise_if_cold said so), so its copy releases the GIL whatever its size. */
+static PyObject *flat_sample(const uint8_t *v, uint64_t size, uint64_t index, int verify, int cold) {
     if (size < 27 || memcmp(v, "LMC\x02", 4) || v[24] != 0xC1) return NULL;
     uint64_t klen = (uint64_t)le16(v + 25) + 2;
     if (klen > size - 25) return NULL;
@@ -871,7 +875,7 @@ static PyObject *flat_sample(const uint8_t *v, uint64_t size, uint64_t index, in
         copies[made] = (uint8_t *)PyByteArray_AS_STRING(items[made]);
     }
     uint64_t digest = index;
-    if (size - 24 - struct_size >= COPY_NOGIL_MIN) {
+    if (cold || size - 24 - struct_size >= COPY_NOGIL_MIN) { /* cold: the copy waits for the disk */
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t k = 0; k < ntensors; k++) {
             memcpy(copies[k], v + pos, nbytes[k]);
@@ -965,13 +969,13 @@ static PyObject *tree_sample(PyObject *self, PyObject *const *args, Py_ssize_t n
     int rc = locate_index(&t->m, t->root, t->depth, index, t->pack, t->length, &offset, &size);
     if (rc == LK_NOTFOUND) Py_RETURN_NONE;
     if (rc != LK_OK) return PyLong_FromLong(rc);
-    if (t->advise_min && size >= t->advise_min) advise_if_cold(&t->m, offset, size);
+    int cold = t->advise_min && size >= t->advise_min && advise_if_cold(&t->m, offset, size);
     const uint8_t *v = t->m.base + offset; /* [offset, offset + size) was checked against the map */
     uint8_t *flag = NULL;
     if (verified != Py_None && index < (uint64_t)PyByteArray_GET_SIZE(verified))
         flag = (uint8_t *)PyByteArray_AS_STRING(verified) + index;
     int verify = always || flag == NULL || !*flag;
-    PyObject *sample = flat_sample(v, size, index, verify);
+    PyObject *sample = flat_sample(v, size, index, verify, cold);
     if (sample == NULL)
         return PyMemoryView_FromMemory((char *)(uintptr_t)v, (Py_ssize_t)size, PyBUF_READ);
     /* The flag is found again: the calls into numpy and torch ran Python code, which may have resized it. */
@@ -1000,7 +1004,7 @@ static PyObject *py_decode_flat(PyObject *self, PyObject *const *args, Py_ssize_
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
     /* The export keeps the bytes alive and in place while flat_sample runs Python code (numpy, torch). */
-    PyObject *sample = flat_sample((const uint8_t *)view.buf, (uint64_t)view.len, index, verify);
+    PyObject *sample = flat_sample((const uint8_t *)view.buf, (uint64_t)view.len, index, verify, 0);
     PyBuffer_Release(&view);
     if (sample == NULL) Py_RETURN_NONE;
     return sample;
