@@ -121,6 +121,7 @@ bench: install
 	$(PY) -m bench.pack --reps 3
 	$(PY) -m bench.native --reps 5
 	$(PY) -m bench.single --reps 3
+	$(PY) -m bench.scale --reps 3
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis .ruff_cache .mypy_cache

@@ -33,9 +33,10 @@ After the table, per workload:
   (2 threads) for 3 epochs, against the payload (every sample's bytes) plus
   ``prefetch + 2`` batches; the process's PSS before the first epoch (Python, torch) is
   printed beside it, and the growth from epoch 2 to epoch 3.
-- beside a busy trainer: a consumer doing ~1 ms of pure-Python work per batch (a fixed
-  amount, calibrated alone: time lost to the GIL shows), fed by ``ds.loader`` (2 threads)
-  vs fed from a list of the same batches; the ratio is the loader's cost to the trainer.
+- beside a trainer: a consumer doing, per batch, ~1 ms of pure-Python work (a fixed amount,
+  calibrated alone: time lost to the GIL shows) then 4 ms of waiting with the GIL released (as
+  on a CUDA sync), fed by ``ds.loader`` (2 threads) vs fed from a list of the same batches;
+  the ratio is the loader's cost to the trainer (issue 24's target: <= 1.1x).
 """
 
 from __future__ import annotations
@@ -334,6 +335,7 @@ PEERS = (DL0, TD_BATCH, SPDL)  # the best in-process peers the loader's targets 
 
 EXTRA: dict[str, dict[str, Any]] = {}
 PREFETCH = 2
+WAIT = 0.004  # the trainer step's wait with the GIL released, as on a CUDA sync
 
 
 # ---------------------------------------------------------------------- memory and the busy trainer
@@ -397,7 +399,7 @@ def python_work(count: int) -> int:
 
 
 def busy_trainer(cache: Path, n: int, reps: int) -> dict[str, float]:
-    """Epoch time of a consumer doing ~1 ms of Python per batch: fed by ds.loader vs from a list."""
+    """Epoch time of a trainer step (~1 ms of Python, then a 4 ms GIL-free wait) per batch: loader-fed vs list-fed."""
     count = calibrate()
     ds = CachedDataset.open(cache)
     loader = ds.loader(BATCH, shuffle=True, num_threads=2, prefetch=PREFETCH)
@@ -409,10 +411,12 @@ def busy_trainer(cache: Path, n: int, reps: int) -> dict[str, float]:
         start = time.perf_counter()
         for _batch in loader:
             python_work(count)
+            time.sleep(WAIT)
         fed.append(time.perf_counter() - start)
         start = time.perf_counter()
         for _batch in listed:
             python_work(count)
+            time.sleep(WAIT)
         from_list.append(time.perf_counter() - start)
     loader.close()
     ds.close()
@@ -449,18 +453,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"{med / statistics.median(base):.2f}x"
             )
         print(f"| {label} | {cells[0]} | {cells[1]} |")
-    for name, rows, peer_factor, limit_row, limit_factor in (
-        ("3x224x224", big, 1.5, MEMCPY2, 0.8),
-        ("3x32x32", small, 1.2, MEMCPY1, 0.6),
+    for name, rows, limit_row, limit_factor, raw_row, raw_factor in (  # issue 24's targets
+        ("3x224x224", big, MEMCPY2, 0.9, RAW2, 1.0),
+        ("3x32x32", small, MEMCPY1, 0.8, RAW1, 1.25),
     ):
         med = {label: statistics.median(r) for label, r in rows if r}
         ours = max(med[LOADER1], med[LOADER2])
         peer_label = max((p for p in PEERS if p in med), key=med.__getitem__)
-        peer, limit = med[peer_label], med[limit_row]
+        peer, limit, raw = med[peer_label], med[limit_row], med[raw_row]
         print(
             f"{name}: ds.loader best {ours:,.0f}/s = {ours / peer:.2f}x the best in-process peer "
-            f"'{peer_label}' {peer:,.0f}/s (target {peer_factor}x), {ours / limit:.2f}x '{limit_row}' "
-            f"(target {limit_factor}x)"
+            f"'{peer_label}' {peer:,.0f}/s (target 2.0x), {ours / limit:.2f}x '{limit_row}' "
+            f"(target {limit_factor}x), {ours / raw:.2f}x '{raw_row}' (target {raw_factor}x)"
         )
         workers, collated = med[OURS_DL], med[OURS_DL_COLLATE]
         print(
@@ -477,9 +481,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{mem['bound'] / mib:,.1f} MiB; epoch 2 -> 3 {(mem['epoch3'] - mem['epoch2']) / mib:+,.1f} MiB"
         )
         print(
-            f"{name}: busy trainer (~1 ms Python per batch, {busy['batches']} batches): loader-fed "
+            f"{name}: trainer step (1 ms Python + 4 ms wait, {busy['batches']} batches): loader-fed "
             f"{busy['loader_s'] * 1e3:,.0f} ms vs list-fed {busy['list_s'] * 1e3:,.0f} ms per epoch = "
-            f"{busy['ratio']:.2f}x (target <= 1.15x)"
+            f"{busy['ratio']:.2f}x (target <= 1.1x)"
         )
     return 0
 

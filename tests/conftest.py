@@ -49,8 +49,20 @@ def unmount_leftovers(root: str) -> None:
     except OSError:
         return
     for point in points:
-        if point.startswith(root.rstrip("/") + "/") and point.endswith("-ro"):
+        if point.startswith(root.rstrip("/") + "/") and point.endswith("-ro") and not _owner_alive(point):
             subprocess.run(["umount", "-l", point], capture_output=True)
+
+
+def _owner_alive(point: str) -> bool:
+    """Whether the test run that made the mount ``point`` still runs (another session's live mount is left alone)."""
+    try:
+        with open(point + ".pid", encoding="utf-8") as f:
+            os.kill(int(f.read()), 0)
+    except PermissionError:
+        return True  # alive, another user's
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def pytest_sessionstart(session):

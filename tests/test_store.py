@@ -46,6 +46,8 @@ def read_only(path: Path):
         return
     mount = path.parent / (path.name + "-ro")
     mount.mkdir()
+    owner = path.parent / (path.name + "-ro.pid")  # whose mount: conftest's clean-up leaves a live run's alone
+    owner.write_text(str(os.getpid()))
     try:
         subprocess.run(["mount", "--bind", str(path), str(mount)], check=True, capture_output=True)
     except (OSError, subprocess.CalledProcessError) as exc:
