@@ -1081,3 +1081,31 @@ def test_cold_large_values_read_the_same_both_ways(tmp_path: Any) -> None:
     with _python_path():
         python = _reads(path, order)
     assert native == python and native[:12] == [_bytes_of(make(i)) for i in order]
+
+
+@needs_core
+def test_a_plan_the_core_cannot_follow_leaves_the_value_to_decode() -> None:
+    """Plans that do not describe their value (wrong sizes, a bad order, wrong types) make decode_flat answer
+    None with no exception left set, so decode reads the value; the real plans then work again."""
+    from lmdbcache.format._decode import NATIVE_PLANS
+
+    sample = (_tensor(1, "int16", (2, 3)), 7, 0.25)
+    value = codec.encode(sample, 5)
+    codec.decode(value, 5)
+    key_, plan = next((k, p) for k, p in NATIVE_PLANS.items() if value[25 : 25 + len(k)] == k)
+    broken = [
+        (plan[0] + 1, *plan[1:]),  # structure size
+        (*plan[:2], plan[2] + 200, *plan[3:]),  # scalars past the structure
+        (*plan[:3], b"qqqq", *plan[4:]),  # more scalars than the order holds
+        (*plan[:5], (0, 0, 1), *plan[6:]),  # an item twice
+        (*plan[:5], ("x", 1, 2), *plan[6:]),  # not an int
+        (*plan[:6], None, plan[7]),  # ndarray not callable
+        plan[:7],  # too short
+    ]
+    try:
+        for bad in broken:
+            core.set_plans({key_: bad})
+            assert core.decode_flat(value, 5, True) is None, bad
+    finally:
+        core.set_plans(NATIVE_PLANS)
+    assert _bytes_of(core.decode_flat(value, 5, True)) == _bytes_of(sample)

@@ -928,6 +928,7 @@ static PyObject *flat_sample(const uint8_t *v, uint64_t size, uint64_t index, in
     if ((out = PyTuple_New(nitems)) == NULL) goto fail;
     for (Py_ssize_t k = 0; k < nitems; k++) {
         Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(order, k));
+        if (at == -1 && PyErr_Occurred()) goto fail;
         at = at >= 0 ? at : ntensors + ~at; /* ~k: scalar k, stored after the tensors */
         if (at < 0 || at >= nitems || items[at] == NULL) goto fail;
         PyTuple_SET_ITEM(out, k, items[at]);
@@ -976,8 +977,10 @@ static PyObject *tree_sample(PyObject *self, PyObject *const *args, Py_ssize_t n
         flag = (uint8_t *)PyByteArray_AS_STRING(verified) + index;
     int verify = always || flag == NULL || !*flag;
     PyObject *sample = flat_sample(v, size, index, verify, cold);
-    if (sample == NULL)
+    if (sample == NULL) {
+        PyErr_Clear(); /* a plan that does not parse is not planned: the Python decoder takes the value */
         return PyMemoryView_FromMemory((char *)(uintptr_t)v, (Py_ssize_t)size, PyBUF_READ);
+    }
     /* The flag is found again: the calls into numpy and torch ran Python code, which may have resized it. */
     flag = verified != Py_None && index < (uint64_t)PyByteArray_GET_SIZE(verified)
                ? (uint8_t *)PyByteArray_AS_STRING(verified) + index
@@ -1006,7 +1009,10 @@ static PyObject *py_decode_flat(PyObject *self, PyObject *const *args, Py_ssize_
     /* The export keeps the bytes alive and in place while flat_sample runs Python code (numpy, torch). */
     PyObject *sample = flat_sample((const uint8_t *)view.buf, (uint64_t)view.len, index, verify, 0);
     PyBuffer_Release(&view);
-    if (sample == NULL) Py_RETURN_NONE;
+    if (sample == NULL) {
+        PyErr_Clear(); /* as in Tree.sample */
+        Py_RETURN_NONE;
+    }
     return sample;
 }
 

@@ -87,6 +87,10 @@ class Handle:
         self._packs: dict[int, Any] = {}
         # Its samples tree as the compiled core reads it (_native_read.native_tree), found once per transaction.
         self._tree: tuple[Any, ...] | None = None
+        # ((txnid, map view, pack, length), the rest of that tree): reused by a later transaction on the same snapshot.
+        self._last_tree: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
+        # (environment, txnid) of the last snapshot whose build was checked: a miss begins a transaction each.
+        self._build_seen: tuple[lmdb.Environment, int] | None = None
         # Byte i set: this process has verified index i's data checksum (checksum="once"). A byte
         # rather than a bit per index: N bytes per process is small, and the test is cheaper.
         self._verified: bytearray | None = None
@@ -210,6 +214,7 @@ class Handle:
             self.build = meta["cache_id"]
         self._meta, self._meta_raw, self._stale = meta, raw, None
         self._tree = None  # the core's tree reads with the build's packing and length
+        self._build_seen = None
         length = meta["length"]
         self._pack, self._length = meta.get("pack", 0), length
         verified = self._verified
@@ -296,8 +301,11 @@ class Handle:
         if self._stale is not None:
             raise CacheMismatchError(self._stale)
         txn = self._begin(env, db=db)
+        if self._build_seen is not None and self._build_seen[0] is env and self._build_seen[1] == txn.id():
+            return txn  # the snapshot checked last time (no commit since: the same metadata record)
         try:
             self._check_build(txn)
+            self._build_seen = (env, txn.id())
         except lmdb.Error as exc:
             txn.abort()
             raise translate(exc, self.path, "reading") from exc

@@ -60,6 +60,7 @@ class Reader(Protocol):
     _length: int
     _verified: bytearray | None
     _tree: tuple[Any, ...] | None
+    _last_tree: tuple[tuple[Any, ...], tuple[Any, ...]] | None
 
     def _drop_reader(self) -> None: ...
 
@@ -130,9 +131,12 @@ def native_tree(h: Reader, txn: lmdb.Transaction) -> tuple[Any, ...]:
     the snapshot, or its meta page kept being reused). ``value(index, always, verified)`` (``core.Tree.sample``)
     is a single read: the decoded sample (a tuple: a flat value whose plan is known, its checks passed and
     its index marked verified), else a view of the value in the map for ``decode``, None if it is not
-    stored, or an error code. A broken main
-    database is looked at again after the guard finds the map and the file's size again, then raised as
-    damage, worded as the guard's.
+    stored, or an error code. A broken main database is looked at again after the guard finds the map and
+    the file's size again, then raised as damage, worded as the guard's.
+
+    A new transaction on the snapshot of the last tree found (the same txnid, map view, packing and
+    length: no commit since, as between the misses of a fill, where every miss begins a transaction)
+    reuses that tree: the snapshot's pages are held by the new reader as they were by the old one.
     """
     tree = h._tree
     if tree is not None and tree[0] is txn:
@@ -144,10 +148,17 @@ def native_tree(h: Reader, txn: lmdb.Transaction) -> tuple[Any, ...]:
         base, length, view = guard.mapping() if guard is not None else (0, 0, None)
         if not base or guard is None:
             break
-        code, root, depth = core.open_tree(base, length, guard.page_size, txn.id(), b"samples")
+        # The map's view by identity (a new one whenever the guard finds the map again; == would compare bytes)
+        snapshot = (txn.id(), id(view), h._pack, h._length)
+        last = h._last_tree
+        if last is not None and last[0] == snapshot and last[1][0] is view:  # no commit since (as in a fill)
+            h._tree = tree = (txn, *last[1])
+            return tree
+        code, root, depth = core.open_tree(base, length, guard.page_size, snapshot[0], b"samples")
         if code == _native.OK:
             value = core.Tree(base, length, guard.page_size, root, depth, h._pack, h._length, PREFETCH_MIN).sample
             h._tree = tree = (txn, view, base, length, guard.page_size, root, depth, value)
+            h._last_tree = (snapshot, tree[1:])
             return tree
         if code == _native.RETRY:
             h._drop_reader()
