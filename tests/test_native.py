@@ -1109,3 +1109,22 @@ def test_a_plan_the_core_cannot_follow_leaves_the_value_to_decode() -> None:
     finally:
         core.set_plans(NATIVE_PLANS)
     assert _bytes_of(core.decode_flat(value, 5, True)) == _bytes_of(sample)
+
+
+@needs_core
+def test_misses_between_commits_reuse_the_last_tree(tmp_path: Any, counting: Any) -> None:
+    """A fill's misses each begin a read transaction; with no commit between them the core's tree (and the
+    build check) of the last snapshot is reused, and every sample is still the source's."""
+    path = str(tmp_path / "c.lmdb")
+    ds = CachedDataset(Synthetic(80), path, commit_every=1000, commit_interval=60.0)
+    try:
+        ds[0]
+        ds.flush()  # a committed snapshot with a samples tree
+        counting.calls.clear()
+        got = [ds[i] for i in range(1, 80)]
+        assert counting.calls["open_tree"] <= 3 and counting.calls["Tree"] <= 2, counting.calls  # not one per miss (79)
+        ds.flush()
+        assert [_bytes_of(s) for s in got] == [_bytes_of(ds[i]) for i in range(1, 80)]
+        assert counting.calls["open_tree"] >= 1  # the commit: a new snapshot, a new tree
+    finally:
+        ds.close()
