@@ -8,7 +8,7 @@ cache), times ``ds.loader(64, num_threads=2)``, the 2-thread memcpy row and raw 
 planner's path are wrapped (in this process only, the package is not changed) to add up the
 wall time of each part per batch:
 
-- lookup: ``ReadPath.read_batch`` outside its ``copy`` callback (lock, read transaction,
+- lookup: ``Reader.read_batch`` outside its ``copy`` callback (lock, read transaction,
   one ``txn.get`` per index, the verified flags);
 - ring: ``Ring.acquire`` (the slot checks: use counts, refcounts, data pointers);
 - copy: the planner's wait for the copy threads (``Buffers.fill`` on both), and, summed over
@@ -69,7 +69,7 @@ def timed_fn(part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 def instrument() -> Callable[[], None]:
     """Wrap the parts; returns the function that unwraps them."""
     saved = [
-        (_read.ReadPath, "read_batch", _read.ReadPath.read_batch),
+        (_read.Reader, "read_batch", _read.Reader.read_batch),
         (_pass.Ring, "acquire", _pass.Ring.acquire),
         (_gather.Buffers, "fill", _gather.Buffers.fill),
         (_gather.Buffers, "batch", _gather.Buffers.batch),
@@ -79,7 +79,7 @@ def instrument() -> Callable[[], None]:
         (_pass.Pass, "get", _pass.Pass.get),
         (_pass, "wait", _pass.wait),
     ]
-    read_batch = _read.ReadPath.read_batch
+    read_batch = _read.Reader.read_batch
 
     def read_batch_timed(self: Any, indices: list[int], always: bool, build: Any, copy: Any) -> Any:
         inside = [0.0]
@@ -98,7 +98,7 @@ def instrument() -> Callable[[], None]:
             add("lookup (read_batch minus copy)", time.perf_counter() - start - inside[0])
             add("planner: copy callback total", inside[0])
 
-    _read.ReadPath.read_batch = read_batch_timed  # type: ignore[method-assign]
+    _read.Reader.read_batch = read_batch_timed  # type: ignore[method-assign]
     _pass.Ring.acquire = timed_fn("ring acquire", _pass.Ring.acquire)  # type: ignore[method-assign]
     _gather.Buffers.fill = timed_fn("threads: fill (sum over threads)", _gather.Buffers.fill)  # type: ignore[method-assign]
     _gather.Buffers.batch = timed_fn("batch views", _gather.Buffers.batch)  # type: ignore[method-assign]

@@ -255,7 +255,7 @@ class CachedDataset(Dataset[Any]):
         """Low level, for the loader: ``copy(views, check_data)`` over the stored values of ``indices``.
 
         Runs under the store's lock and one read transaction, with this dataset's checksum
-        policy and build (``ReadPath.read_batch`` says what ``copy`` may do); returns what
+        policy and build (``Reader.read_batch`` says what ``copy`` may do); returns what
         ``copy`` returns, or ``MISSING`` when an index is not cached.
         """
         return self._live_store().read_batch(indices, self._always, self._build, copy)

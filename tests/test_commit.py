@@ -45,7 +45,7 @@ def finishes(call, timeout: float = 30) -> bool:
 
 def slow_commits(ds: CachedDataset, seconds: float) -> None:
     """Make every commit of ``ds``'s store take ``seconds`` longer, so a test can interrupt one mid-write."""
-    queue = ds._live_store()._queue
+    queue = ds._live_store().writer._queue
     real_write = queue._write
 
     def slow_write(batch):

@@ -656,7 +656,7 @@ def test_one_tree_per_read_transaction(tmp_path: Any, counting: Any, monkeypatch
         ds[i]
     ds.__getitems__(list(range(0, 300, 7)))
     assert counting.calls["open_tree"] == counting.calls["Tree"] == 1, counting.calls
-    assert ds._live_store()._tree[7] is not None  # the reads went through it
+    assert ds._live_store().reader._tree[7] is not None  # the reads went through it
     ds.close()
 
 
@@ -865,7 +865,7 @@ from lmdbcache import CachedDataset, _native
 assert _native.core is not None
 ds = CachedDataset.open(sys.argv[1])
 first = [ds[i][1] for i in range(64)]
-assert ds._live_store()._tree is not None  # the core found its tree in the kept transaction
+assert ds._live_store().reader._tree is not None  # the core found its tree in the kept transaction
 pid = os.fork()
 if pid == 0:
     try:
@@ -978,7 +978,7 @@ def test_flat_single_reads_are_decoded_in_the_core(tmp_path: Any, kind: str) -> 
     ds = CachedDataset.open(path)
     try:
         assert _bytes_of(ds[4]) == _bytes_of(make(4))  # a signature seen first: decoded in Python, planned
-        store = ds._live_store()
+        store = ds._live_store().reader
         verified = store._verified
         for i in (5, 6, 4):
             assert verified[i] == (i == 4)

@@ -408,7 +408,7 @@ def test_packed_reads_follow_the_map_when_it_moves(cache_dir):
     for growth in (4, 64):
         with store._lock:
             env = store._env
-            store._set_mapsize(env, env.info()["map_size"] * growth)
+            store.handle._set_mapsize(env, env.info()["map_size"] * growth)
             guard = store._guard
             start, size, _ = guard._mapped
             assert (start, size) == (guard.start, guard.file_size) and start

@@ -660,7 +660,7 @@ def test_buffer_addresses_are_right_in_every_thread(cache_dir):
     failures = []
     with _registry.opened(str(cache_dir)) as store:
         store.meta()
-        txn = store._reader()
+        txn = store.reader._reader()
         views = [txn.get(key(i)) for i in range(4)] + [memoryview(b"x" * 100)[7:], bytearray(b"abc")]
         expected = [int(np.frombuffer(view, np.uint8).ctypes.data) for view in views]
 
@@ -758,3 +758,45 @@ def test_an_open_raced_by_map_growth_inside_py_lmdbs_open_is_retried(cache_dir, 
     with CachedDataset.open(cache_dir) as ds:
         assert_same(ds[5], sample_for(5))
     assert len(raised) == 2
+
+
+def test_the_reader_and_the_writer_own_their_state_and_share_only_what_they_are_handed(cache_dir):
+    """A Store is a Reader and a Writer over one Handle, each with its own state: the reader holds no queue and
+    finds a queued, uncommitted sample only through the function the writer handed it (``Writer.lookup``), and a
+    commit by the writer is seen by the reader's next snapshot."""
+    from lmdbcache.store._commit import CommitQueue
+    from lmdbcache.store._handle import Handle
+    from lmdbcache.store._read import MISSING
+    from lmdbcache.store._write import Writer
+
+    ds = CachedDataset(Synthetic(8), cache_dir, commit_every=1000, commit_interval=3600)
+    store = ds._live_store()
+    reader, writer = store.reader, store.writer
+    assert reader._h is writer._h is store.handle and not isinstance(reader, Handle) and not isinstance(writer, Handle)
+    held = [type(value) for value in vars(reader).values()]
+    assert CommitQueue not in held and Writer not in held and not hasattr(reader, "_queue")
+    assert "_rtxn" not in vars(writer) and "_verified" not in vars(writer)
+
+    assert_same(ds[3], sample_for(3))  # a miss: decoded, queued, not committed
+    assert writer.lookup(3) is not None  # queued in the writer
+    asked = []
+    handed = reader._in_queue
+    assert handed == writer.lookup  # the one function Store handed it
+
+    def recording(index):
+        asked.append(index)
+        return handed(index)
+
+    reader._in_queue = recording
+    assert_same(store.get(3), sample_for(3))  # found in the queue, through the handed function
+    assert asked == [3]
+    reader._in_queue = lambda index: None  # the queue still holds it, but the reader has no other way to it
+    assert writer.lookup(3) is not None and store.get(3) is MISSING
+
+    txn = reader._reader()  # a snapshot taken before the commit
+    assert store.flush() == 1  # the writer commits
+    assert writer.lookup(3) is None and txn.get(key(3)) is None  # the old snapshot does not show it
+    assert_same(store.get(3), sample_for(3))  # the reader's next snapshot does (its queue function says nothing)
+    assert reader._rtxn is not txn
+    reader._in_queue = handed
+    ds.close()

@@ -596,7 +596,7 @@ static int advise_if_cold(const Map *m, uint64_t offset, uint64_t size) {
 #endif
 }
 
-/* Locate one index as ReadPath._fetch does: (packs on) its value in its chunk's pack, else its single record. */
+/* Locate one index as Reader._fetch does: (packs on) its value in its chunk's pack, else its single record. */
 static int locate_index(const Map *m, uint64_t root, unsigned depth, uint64_t index, uint64_t pack,
                         uint64_t length, uint64_t *offset, uint64_t *size) {
     uint8_t key[9];

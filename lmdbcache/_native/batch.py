@@ -1,6 +1,6 @@
 """The loader's batch path on the compiled core: a batch's located values (``Spans``) and their copy.
 
-``ReadPath.read_batch`` locates every index of a batch in one call (``core.locate_batch``, the
+``Reader.read_batch`` locates every index of a batch in one call (``core.locate_batch``, the
 GIL released) and hands ``copy`` a ``Spans`` in place of its list of views: a sequence whose
 items are the same views into the map (made only when asked for: ``layout_of`` looks at the
 first, a fallback at any), and which ``Buffers.fill`` copies in one call per slice

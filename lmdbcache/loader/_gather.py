@@ -1,7 +1,7 @@
 """Copy flat values (the codec's flat form) straight from the map into preallocated batch tensors.
 
 One copy per sample and field, no per-sample tensor: each value's bytes go from its view
-into the map (``ReadPath.read_batch``) into row ``j`` of the batch tensor of each field,
+into the map (``Reader.read_batch``) into row ``j`` of the batch tensor of each field,
 and its scalars into one staging row that becomes one int64 / float64 / bool tensor per
 field, as ``default_collate`` builds them. The codec's trust rules hold here as in
 ``codec.decode``: a value's structure checksum (seed = the index) is verified before any
@@ -52,7 +52,7 @@ _head = HEAD_AND_FLAT.unpack_from
 
 def _corrupt(index: int, reason: str) -> CorruptSampleError:
     exc = CorruptSampleError(reason)
-    exc.index = index  # type: ignore[attr-defined]  # read by ReadPath.read_batch
+    exc.index = index  # type: ignore[attr-defined]  # read by Reader.read_batch
     return exc
 
 

@@ -1,7 +1,7 @@
 """``Loader``: batches of a ``CachedDataset`` copied straight out of the map, on threads, in DataLoader's order.
 
 Threads. One planner thread turns the epoch's order into batches of indices, looks each
-batch up in one read transaction under the store's lock (``ReadPath.read_batch``) and hands
+batch up in one read transaction under the store's lock (``Reader.read_batch``) and hands
 whole slices of the batch to a pool of ``num_threads`` copy threads; each copies its values
 straight into the batch tensors (``_gather``: large copies release the GIL). A batch under
 1 MiB is copied by the planner itself (``INLINE``: its copies are GIL-bound anyway). Up to

@@ -1,6 +1,6 @@
 """One pass of a ``Loader`` over an epoch: the planner thread, the copy pool, the ring of buffers.
 
-The planner thread walks the epoch's batches, reads each through ``ReadPath.read_batch`` (one
+The planner thread walks the epoch's batches, reads each through ``Reader.read_batch`` (one
 lock and read transaction per batch) and hands slices of it to the copy pool, which copies the
 values straight from the map into a ring slot (``_gather``); finished batches wait in a queue
 of ``prefetch`` for the consumer. Misses, values that are not flat and datasets with a

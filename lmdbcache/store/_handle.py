@@ -3,8 +3,10 @@
 ``Handle`` holds the environment this process opened (lazily, on first use: a DataLoader
 worker or a forked child opens its own), the build (``cache_id``) it adopted and checked,
 and the read transactions every read and write path begins from, each checked against
-that build. ``_read.ReadPath`` and ``_write.WritePath`` build on it; ``store.Store`` joins
-them and adds creating, rebuilding and closing.
+that build. The reader (``_read.Reader``) and the writer (``_write.Writer``) each hold it as a
+member; ``_store.Store`` makes all three and adds creating, rebuilding and closing. The handle
+never reaches into either: what they must hear of it (a kept transaction to end, a build
+adopted, a rebuild seen) it tells them through the three callables ``Store`` wires (``listen``).
 
 Thread-safe by convention: every method here runs with ``self._lock`` held by its caller.
 """
@@ -14,9 +16,9 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-import filelock
 import lmdb
 import msgpack
 
@@ -25,9 +27,8 @@ from ..errors import CacheClosedError, CacheMismatchError, NotACacheError
 from ..format import _compress
 from ..format._frames import require
 from . import _fs, _metadata
-from ._commit import CommitQueue
 from ._env import MAX_MAP, RESIZE_RETRIES, open_databases, open_env, reserved_size
-from ._fs import DATA_FILE, WRITE_LOCK
+from ._fs import DATA_FILE
 from ._guard import MapGuard
 from ._lmdb_errors import readers_full, translate
 
@@ -37,33 +38,16 @@ __all__ = ["Handle"]
 # transaction or commits), so a process that cannot even open the cache because the table
 # is full of them gets in on one of its retries.
 _READER_CHECK_INTERVAL = 5.0
-# Per-index "verified" flags cost a byte per index; beyond this length every read is verified.
-_VERIFIED_MAX = 1 << 24
 
 
 class Handle:
     """One process's environment for a cache directory and the build it adopted (see the module docstring)."""
 
-    def __init__(
-        self,
-        path: str,
-        *,
-        map_size: int = 64 * MIB,
-        max_readers: int = 1024,
-        checksum: str = "once",
-        sync: bool = False,
-    ) -> None:
+    def __init__(self, path: str, *, map_size: int = 64 * MIB, max_readers: int = 1024) -> None:
         self.path = path
-        self.sync = sync  # fsync every commit (else once, at close; see _fs on the unsynced marker)
-        self._unsynced = False  # this process committed without a sync since the last one
-        self.checksum = checksum  # the default for reads that do not say (tools)
         self.map_size = min(parse_size(map_size), MAX_MAP)
         self.max_readers = int(max_readers)
-        # Handed out by _registry in this process and usable here; False in a child forked since
-        # (a plain attribute rather than a pid compare: the hit path asks it per sample).
-        self.owned = False
         self.readonly = False
-        self.refs = 0
         # Released for good (its last reference closed it): a thread still inside a read on it must
         # not reopen its environment beside the one a new Store for the same path opens (issue #22).
         self.retired = False
@@ -71,56 +55,38 @@ class Handle:
         self._env: lmdb.Environment | None = None
         self._samples: Any = None
         self._meta_db: Any = None
-        self._file_lock: filelock.BaseFileLock | None = None
         # The build id (``cache_id``) this process adopted and checked; a rebuild gives the cache a
         # new one. Reads and writes verify it. A plain attribute: datasets compare it per sample.
         self.build: str | None = None
-        self._queue: CommitQueue  # made by Store, which owns the write path it calls
         self._meta: dict[str, Any] | None = None
         self._meta_raw: bytes = b""  # the metadata record as adopted: a rebuild changes it
         # Why this process may no longer use the build it adopted (set when a rebuild is seen).
         self._stale: str | None = None
-        # A read transaction kept open between hits (see _reader) and when it goes stale.
-        self._rtxn: lmdb.Transaction | None = None
-        self._rtxn_expires = 0.0
-        # Packs (views) looked up in that kept transaction, by first index; forgotten with it (_read._pack_of).
-        self._packs: dict[int, Any] = {}
-        # Its samples tree as the compiled core reads it (_native_read.native_tree), found once per transaction.
-        self._tree: tuple[Any, ...] | None = None
-        # ((txnid, map view, pack, length), the rest of that tree): reused by a later transaction on the same snapshot.
-        self._last_tree: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
         # (environment, txnid) of the last snapshot whose build was checked: a miss begins a transaction each.
         self._build_seen: tuple[lmdb.Environment, int] | None = None
-        # Byte i set: this process has verified index i's data checksum (checksum="once"). A byte
-        # rather than a bit per index: N bytes per process is small, and the test is cheaper.
-        self._verified: bytearray | None = None
         self._locked = True  # False on a read-only mount opened without LMDB's lock table
         self._last_reader_check = 0.0
         self._guard: MapGuard | None = None
-        self._close_when_idle = False  # close() was interrupted while a batch was being written
         self._compressor: _compress.Compressor | None = None  # the adopted build's, if it compresses
         # The adopted build's chunk size K for packs (_pack; 0: none) and its dataset length.
         self._pack = 0
         self._length = 0
+        # What the handle tells the reader and the writer composed over it (``listen``; none until then).
+        self._drop_kept: Callable[[], None] = _nothing
+        self._adopted: Callable[[bool], None] = _nothing_changed
+        self._rebuilt: Callable[[], None] = _nothing
 
-    # The registry's questions and answers (``_registry``): who owns this handle, how many hold it.
+    def listen(
+        self, *, drop_kept: Callable[[], None], adopted: Callable[[bool], None], rebuilt: Callable[[], None]
+    ) -> None:
+        """Wired once by ``Store``: the handle's three events, each told to the one part it concerns.
 
-    def claim(self) -> None:
-        """This process's registry hands this handle out: usable here."""
-        self.owned = True
-
-    def disown(self) -> None:
-        """In a child forked since: the parent's handle, never used here (datasets acquire their own)."""
-        self.owned = False
-
-    def hold(self) -> None:
-        """One more holder (a dataset, a tool)."""
-        self.refs += 1
-
-    def let_go(self) -> int:
-        """One holder fewer; how many are left (at 0 the registry retires the handle)."""
-        self.refs -= 1
-        return self.refs
+        ``drop_kept()``: the reader's kept read transaction must end (another is begun: one reader slot
+        per process; the map changes size; the environment closes). ``adopted(changed)``: a build was
+        adopted (``changed``: another build than before), the reader resets what it knew of the last one.
+        ``rebuilt()``: another process rebuilt the cache, the writer drops what it queued for the old build.
+        """
+        self._drop_kept, self._adopted, self._rebuilt = drop_kept, adopted, rebuilt
 
     def _open_env(self, *, readonly: bool) -> lmdb.Environment:
         """Open this process's environment and the two databases. Caller holds self._lock."""
@@ -208,18 +174,13 @@ class Handle:
             self._compressor = None
         elif compressor is None or (compressor.codec, compressor.level) != (codec, level):
             self._compressor = _compress.Compressor(codec, level)
-        if meta["cache_id"] != self.build:
-            self._verified = None  # flags of another build's values
-        if meta["cache_id"] != self.build:  # else keep the same object: datasets compare by identity
+        changed = meta["cache_id"] != self.build
+        if changed:  # else keep the same object: datasets compare by identity
             self.build = meta["cache_id"]
         self._meta, self._meta_raw, self._stale = meta, raw, None
-        self._tree = None  # the core's tree reads with the build's packing and length
         self._build_seen = None
-        length = meta["length"]
-        self._pack, self._length = meta.get("pack", 0), length
-        verified = self._verified
-        if length <= _VERIFIED_MAX and (verified is None or len(verified) < length):
-            self._verified = bytearray(length)
+        self._pack, self._length = meta.get("pack", 0), meta["length"]
+        self._adopted(changed)  # the reader's flags and native tree were the last build's
 
     def _same_build(self, txn: lmdb.Transaction) -> tuple[bool, dict[str, Any] | None, Any]:
         """Does ``txn`` still hold the build this process adopted? (same, the metadata if it was parsed, its bytes).
@@ -246,7 +207,7 @@ class Handle:
                 self._meta, self._meta_raw = meta, bytes(raw)  # metadata upgraded in place
             return
         self._stale = _metadata.rebuilt_message(self.path, meta)
-        self._queue.forget()  # samples of the old build must not reach the new one
+        self._rebuilt()  # the writer's queued samples of the old build must not reach the new one
         raise CacheMismatchError(self._stale)
 
     def mismatch(self, build: str) -> CacheMismatchError:
@@ -325,11 +286,8 @@ class Handle:
                 raise translate(exc, self.path, "clearing stale readers of") from exc
 
     def _drop_reader(self) -> None:
-        self._packs.clear()  # views into the transaction's snapshot: never used past it
-        self._tree = None
-        txn, self._rtxn = self._rtxn, None
-        if txn is not None:
-            txn.abort()
+        """End the reader's kept read transaction, if any (``listen``)."""
+        self._drop_kept()
 
     def _close_env(self) -> None:
         self._drop_reader()
@@ -352,8 +310,10 @@ class Handle:
             if self._guard is not None:
                 self._guard.refresh()  # the map may have moved: the guard's view of it must follow (see _guard)
 
-    def _write_lock(self) -> filelock.BaseFileLock:
-        if self._file_lock is None:
-            _fs.check_lmdb_files(self.path)  # filelock would follow a linked lmdbcache.lock
-            self._file_lock = filelock.FileLock(os.path.join(self.path, WRITE_LOCK))
-        return self._file_lock
+
+def _nothing() -> None:
+    pass
+
+
+def _nothing_changed(changed: bool) -> None:
+    pass

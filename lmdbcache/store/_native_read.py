@@ -1,7 +1,7 @@
 """The read paths on the compiled core (``lmdbcache._native``): single reads located in one call each, a batch
 located in one call and copied in one per slice.
 
-``ReadPath.get`` and ``get_many`` read each value in one call (``core.Tree.sample``) in the samples tree
+``Reader.get`` and ``get_many`` read each value in one call (``core.Tree.sample``) in the samples tree
 of the kept read transaction, found once per transaction (``native_tree``: ``open_tree`` on its meta page,
 kept as ``_tree`` until the transaction ends). A flat value whose signature the decoder planned before
 (``_decode.NATIVE_PLANS``) comes back decoded: header, structure checksum and lengths checked, the data
@@ -10,7 +10,7 @@ buffers, the index marked verified. Anything else (another form, a first sight o
 check that fails) comes back as the value's view, handed to ``decode`` as the Python path hands its
 views: so the two paths raise the same errors, worded by the same code.
 
-``ReadPath.read_batch`` asks here first when the core is built: ``native_spans`` locates every
+``Reader.read_batch`` asks here first when the core is built: ``native_spans`` locates every
 value of the batch in the read transaction's snapshot (the core walks LMDB's pages itself, every
 page and span checked against the mapped file), and ``copy_native`` hands the spans to the
 loader's copy, marking what it verified. None from ``native_spans`` means the Python path reads
@@ -30,7 +30,8 @@ from ..errors import CorruptCacheError, CorruptSampleError
 from ..format import _pack
 from ..format._decode import NATIVE_PLANS
 from ..format._decode import decode as _decode
-from ._guard import PREFETCH_MIN, MapGuard
+from ._guard import PREFETCH_MIN
+from ._handle import Handle
 from ._lmdb_errors import REBUILD
 
 __all__ = ["MISSING", "copy_native", "decode_new", "native_lookup", "native_spans", "native_tree"]
@@ -51,13 +52,10 @@ def decode_new(value: bytes, index: int) -> Any:
     return _decode(value, index, verify_data=False)
 
 
-class Reader(Protocol):
-    """What this path asks of the read path (``_read.ReadPath``), handed in as ``h``: no import back up."""
+class Hits(Protocol):
+    """What these paths ask of the reader (``_read.Reader``), handed in as ``r``: no import back up."""
 
-    path: str
-    _guard: MapGuard | None
-    _pack: int
-    _length: int
+    _h: Handle
     _verified: bytearray | None
     _tree: tuple[Any, ...] | None
     _last_tree: tuple[tuple[Any, ...], tuple[Any, ...]] | None
@@ -69,7 +67,7 @@ class Reader(Protocol):
     def _corrupt(self, index: int, exc: CorruptSampleError) -> CorruptSampleError: ...
 
 
-def native_spans(h: Reader, txn: lmdb.Transaction, indices: list[int], always: bool) -> Any:
+def native_spans(r: Hits, txn: lmdb.Transaction, indices: list[int], always: bool) -> Any:
     """The batch's values located by the core (``Spans``), ``MISSING`` if one is absent, or None: no map
     address is known here (not Linux, or the guard could not find the map), so the Python path reads it.
 
@@ -77,7 +75,7 @@ def native_spans(h: Reader, txn: lmdb.Transaction, indices: list[int], always: b
     fails is tried once more after the guard looks for the map and the file's size again (another process
     may have grown the file since); a second failure is damage, worded as the guard words it.
     """
-    core, guard = _native.core, h._guard
+    core, guard = _native.core, r._h._guard
     assert core is not None
     if guard is None:
         return None
@@ -89,8 +87,8 @@ def native_spans(h: Reader, txn: lmdb.Transaction, indices: list[int], always: b
         psize = guard.page_size
         code, root, depth = core.open_tree(base, length, psize, txn.id(), b"samples")
         if code == _native.RETRY:
-            h._drop_reader()
-            txn = h._reader()
+            r._drop_reader()
+            txn = r._reader()
             continue
         k = -1
         if code == _native.OK:
@@ -101,9 +99,9 @@ def native_spans(h: Reader, txn: lmdb.Transaction, indices: list[int], always: b
                 root,
                 depth,
                 indices,
-                h._pack,
-                h._length,
-                h._verified,
+                r._h._pack,
+                r._h._length,
+                r._verified,
                 always,
                 PREFETCH_MIN,
             )
@@ -117,14 +115,14 @@ def native_spans(h: Reader, txn: lmdb.Transaction, indices: list[int], always: b
             refreshed = True
             guard.refresh()
             continue
-        raise _damage(h, code, indices[k] if k >= 0 else None, (txn, view, base, length, psize, root, depth, None))
+        raise _damage(r, code, indices[k] if k >= 0 else None, (txn, view, base, length, psize, root, depth, None))
     return None  # the meta page kept being reused under us: the Python path reads this batch
 
 
-def native_tree(h: Reader, txn: lmdb.Transaction) -> tuple[Any, ...]:
+def native_tree(r: Hits, txn: lmdb.Transaction) -> tuple[Any, ...]:
     """The samples tree of the read transaction ``txn`` as the core reads it, found once per transaction.
 
-    ``(txn, view, base, length, psize, root, depth, value)``, kept as ``h._tree`` until the transaction ends
+    ``(txn, view, base, length, psize, root, depth, value)``, kept as ``r._tree`` until the transaction ends
     (``_drop_reader`` forgets it); ``txn`` in it is a new transaction when the snapshot's meta page was
     reused before the core could read it (the caller then reads in that one: a fresh snapshot). ``view``
     None: the Python path reads in this transaction (no map address known here, no samples database in
@@ -138,10 +136,10 @@ def native_tree(h: Reader, txn: lmdb.Transaction) -> tuple[Any, ...]:
     length: no commit since, as between the misses of a fill, where every miss begins a transaction)
     reuses that tree: the snapshot's pages are held by the new reader as they were by the old one.
     """
-    tree = h._tree
+    tree = r._tree
     if tree is not None and tree[0] is txn:
         return tree
-    core, guard = _native.core, h._guard
+    core, guard = _native.core, r._h._guard
     assert core is not None
     refreshed = False
     for _ in range(8):
@@ -149,32 +147,32 @@ def native_tree(h: Reader, txn: lmdb.Transaction) -> tuple[Any, ...]:
         if not base or guard is None:
             break
         # The map's view by identity (a new one whenever the guard finds the map again; == would compare bytes)
-        snapshot = (txn.id(), id(view), h._pack, h._length)
-        last = h._last_tree
+        snapshot = (txn.id(), id(view), r._h._pack, r._h._length)
+        last = r._last_tree
         if last is not None and last[0] == snapshot and last[1][0] is view:  # no commit since (as in a fill)
-            h._tree = tree = (txn, *last[1])
+            r._tree = tree = (txn, *last[1])
             return tree
         code, root, depth = core.open_tree(base, length, guard.page_size, snapshot[0], b"samples")
         if code == _native.OK:
-            value = core.Tree(base, length, guard.page_size, root, depth, h._pack, h._length, PREFETCH_MIN).sample
-            h._tree = tree = (txn, view, base, length, guard.page_size, root, depth, value)
-            h._last_tree = (snapshot, tree[1:])
+            value = core.Tree(base, length, guard.page_size, root, depth, r._h._pack, r._h._length, PREFETCH_MIN).sample
+            r._tree = tree = (txn, view, base, length, guard.page_size, root, depth, value)
+            r._last_tree = (snapshot, tree[1:])
             return tree
         if code == _native.RETRY:
-            h._drop_reader()
-            txn = h._reader()
+            r._drop_reader()
+            txn = r._reader()
             continue
         if code == _native.NOTFOUND:
             break  # no samples database in this snapshot: the Python path says what that means
         if refreshed:
-            raise _damage(h, code, None)
+            raise _damage(r, code, None)
         refreshed = True
         guard.refresh()
-    h._tree = tree = (txn, None, 0, 0, 0, 0, 0, None)
+    r._tree = tree = (txn, None, 0, 0, 0, 0, 0, None)
     return tree
 
 
-def native_lookup(h: Reader, tree: tuple[Any, ...], index: int, code: int = -1) -> Any:
+def native_lookup(r: Hits, tree: tuple[Any, ...], index: int, code: int = -1) -> Any:
     """The stored value of ``index`` in ``tree`` (``native_tree``, its view set): a view into the map, or None.
 
     ``code``: the outcome of a lookup the caller already made (``get`` makes its own); -1: look it up.
@@ -184,7 +182,7 @@ def native_lookup(h: Reader, tree: tuple[Any, ...], index: int, code: int = -1) 
     core = _native.core
     assert core is not None
     txn, view, base, length, psize, root, depth, _ = tree
-    pack, n = h._pack, h._length
+    pack, n = r._h._pack, r._h._length
     for attempt in range(2):
         if code < 0 or attempt:
             code, at, size = core.locate_index(base, length, psize, root, depth, index, pack, n, PREFETCH_MIN)
@@ -192,23 +190,23 @@ def native_lookup(h: Reader, tree: tuple[Any, ...], index: int, code: int = -1) 
                 return view[at : at + size]
         if code == _native.NOTFOUND:
             return None
-        if attempt == 0 and h._guard is not None:
-            h._guard.refresh()
-            fresh_base, length, fresh_view = h._guard.mapping()
+        if attempt == 0 and r._h._guard is not None:
+            r._h._guard.refresh()
+            fresh_base, length, fresh_view = r._h._guard.mapping()
             if fresh_base:
                 base, view = fresh_base, fresh_view
                 value = core.Tree(base, length, psize, root, depth, pack, n, PREFETCH_MIN).sample
-                h._tree = (txn, view, base, length, psize, root, depth, value)
-    raise _damage(h, code, index, h._tree)
+                r._tree = (txn, view, base, length, psize, root, depth, value)
+    raise _damage(r, code, index, r._tree)
 
 
-def _pack_problem(h: Reader, tree: tuple[Any, ...], index: int) -> str | None:
+def _pack_problem(r: Hits, tree: tuple[Any, ...], index: int) -> str | None:
     """Why the pack holding ``index`` does not hold its value, worded as the Python path's ``_pack.span``."""
     core = _native.core
     assert core is not None
     _, view, base, length, psize, root, depth, _ = tree
-    first = index - index % h._pack
-    n = min(h._pack, h._length - first)
+    first = index - index % r._h._pack
+    n = min(r._h._pack, r._h._length - first)
     if index - first >= n:
         return f"index {index} is past the dataset's end"
     code, at, size = core.locate(base, length, psize, root, depth, _pack.key(first, _pack.TAG))
@@ -216,27 +214,29 @@ def _pack_problem(h: Reader, tree: tuple[Any, ...], index: int) -> str | None:
     return found if isinstance(found, str) else None
 
 
-def _damage(h: Reader, code: int, index: int | None, tree: tuple[Any, ...] | None = None) -> CorruptCacheError:
+def _damage(r: Hits, code: int, index: int | None, tree: tuple[Any, ...] | None = None) -> CorruptCacheError:
     """The error for a failed native lookup (``index`` None: the samples database's), worded as the guard's."""
-    why = (h._guard.unreadable if h._guard is not None else "") or _native.reason(code)
+    why = (r._h._guard.unreadable if r._h._guard is not None else "") or _native.reason(code)
     if index is None:
-        return CorruptCacheError(f"Cache '{h.path}' is damaged: the samples database cannot be read ({why}). {REBUILD}")
-    if code == _native.PACK:
-        first = index - index % h._pack
-        last = min(first + h._pack, h._length) - 1
-        if tree is not None:
-            why = _pack_problem(h, tree, index) or why
         return CorruptCacheError(
-            f"Cache '{h.path}' is damaged: the pack holding index {index} (indices {first} to {last}) is "
-            f"broken ({why}); it was not read. Run `lmdbcache verify --repair {h.path}` "
+            f"Cache '{r._h.path}' is damaged: the samples database cannot be read ({why}). {REBUILD}"
+        )
+    if code == _native.PACK:
+        first = index - index % r._h._pack
+        last = min(first + r._h._pack, r._h._length) - 1
+        if tree is not None:
+            why = _pack_problem(r, tree, index) or why
+        return CorruptCacheError(
+            f"Cache '{r._h.path}' is damaged: the pack holding index {index} (indices {first} to {last}) is "
+            f"broken ({why}); it was not read. Run `lmdbcache verify --repair {r._h.path}` "
             "to drop it (its samples are decoded again from the source on their next read)."
         )
     return CorruptCacheError(
-        f"Cache '{h.path}' is damaged: the record of index {index} is broken ({why}); it was not read. {REBUILD}"
+        f"Cache '{r._h.path}' is damaged: the record of index {index} is broken ({why}); it was not read. {REBUILD}"
     )
 
 
-def copied(h: Reader, copy: Callable[[Any, Any], Any], views: Any, checks: Any) -> Any:
+def copied(r: Hits, copy: Callable[[Any, Any], Any], views: Any, checks: Any) -> Any:
     """``copy(views, checks)``; a ``CorruptSampleError`` carrying an ``index`` is worded as ``get`` words it."""
     try:
         return copy(views, checks)
@@ -244,12 +244,12 @@ def copied(h: Reader, copy: Callable[[Any, Any], Any], views: Any, checks: Any) 
         where = getattr(exc, "index", None)
         if where is None:
             raise
-        raise h._corrupt(where, exc) from None
+        raise r._corrupt(where, exc) from None
 
 
-def copy_native(h: Reader, spans: Spans, copy: Callable[[Any, Any], Any], verified: bytearray | None) -> Any:
+def copy_native(r: Hits, spans: Spans, copy: Callable[[Any, Any], Any], verified: bytearray | None) -> Any:
     """``read_batch``'s copy over located values; indices whose data checksum passed are marked verified."""
-    result = copied(h, copy, spans, spans.checks())
+    result = copied(r, copy, spans, spans.checks())
     if verified is not None and result is not None:
         _native.core.mark_verified(verified, spans.blob, PREFETCH_MIN)  # type: ignore[union-attr]
     return result

@@ -43,7 +43,7 @@ from ._handle import Handle
 from ._lmdb_errors import REBUILD, translate
 from ._native_read import MISSING, copied, copy_native, native_lookup, native_spans, native_tree
 
-__all__ = ["MISSING", "ReadPath"]
+__all__ = ["MISSING", "Reader"]
 
 
 _KEY = struct.Struct(">Q").pack
@@ -60,6 +60,8 @@ _READER_MAX_AGE = 0.25  # seconds a kept read transaction may pin its snapshot
 _clock = time.perf_counter
 _COLD = 50e-6  # seconds: a large value read slower than this came from the disk (warm: a few us)
 _COLD_RUN = 64  # large reads prefetched after a cold one, each cold read starting the count again
+# Per-index "verified" flags cost a byte per index; beyond this length every read is verified.
+_VERIFIED_MAX = 1 << 24
 
 
 def _mark(size: int) -> int:
@@ -67,11 +69,49 @@ def _mark(size: int) -> int:
     return 2 if size >= PREFETCH_MIN else 1
 
 
-class ReadPath(Handle):
-    """Reading samples and scanning keys (see the module docstring). Every public method takes the lock."""
+class Reader:
+    """Reading samples (see the module docstring): its own state, over the handle ``handle`` it holds.
 
-    _cold_left = 0  # large reads still to prefetch (reads were seen cold); 0: plain reads, timed
-    _slow = 0  # large reads in a row slower than _COLD
+    ``in_queue(index)``: the encoded value of ``index`` if this process has queued it and not yet
+    committed it, else None (the writer's ``lookup``, handed in by ``Store``): all a miss may ask of
+    the write path. Every public method takes the handle's lock.
+    """
+
+    def __init__(self, handle: Handle, in_queue: Callable[[int], bytes | None]) -> None:
+        self._h = handle
+        self._lock = handle._lock  # the handle's, never replaced: one attribute load less per hit
+        self._in_queue = in_queue
+        # A read transaction kept open between hits (see _reader) and when it goes stale.
+        self._rtxn: lmdb.Transaction | None = None
+        self._rtxn_expires = 0.0
+        # Packs (views) looked up in that kept transaction, by first index; forgotten with it (_pack_of).
+        self._packs: dict[int, Any] = {}
+        # Its samples tree as the compiled core reads it (_native_read.native_tree), found once per transaction.
+        self._tree: tuple[Any, ...] | None = None
+        # ((txnid, map view id, pack, length), the rest of that tree): reused by a later transaction on its snapshot.
+        self._last_tree: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
+        # Byte i set: this process has verified index i's data checksum (checksum="once"). A byte
+        # rather than a bit per index: N bytes per process is small, and the test is cheaper.
+        self._verified: bytearray | None = None
+        self._cold_left = 0  # large reads still to prefetch (reads were seen cold); 0: plain reads, timed
+        self._slow = 0  # large reads in a row slower than _COLD
+
+    def adopted(self, changed: bool) -> None:
+        """The handle adopted a build (``changed``: another than before): the flags and the tree were the last one's."""
+        self._tree = None  # the core's tree reads with the build's packing and length
+        if changed:
+            self._verified = None  # flags of another build's values
+        length, verified = self._h._length, self._verified
+        if length <= _VERIFIED_MAX and (verified is None or len(verified) < length):
+            self._verified = bytearray(length)
+
+    def _drop_reader(self) -> None:
+        """End the kept read transaction; what was found in it (pack views, the core's tree) goes with it."""
+        self._packs.clear()  # views into the transaction's snapshot: never used past it
+        self._tree = None
+        txn, self._rtxn = self._rtxn, None
+        if txn is not None:
+            txn.abort()
 
     def get(self, index: int, always: bool = False, build: str | None = None) -> Any:
         """The decoded sample at ``index`` of the build ``build``, or ``MISSING``. The hot path: kept flat.
@@ -84,8 +124,8 @@ class ReadPath(Handle):
         lock = self._lock
         lock.acquire()  # not `with`: half the cost, and this runs once per sample
         try:
-            if build is not self.build and build is not None and build != self.build:
-                raise self.mismatch(build)
+            if build is not self._h.build and build is not None and build != self._h.build:
+                raise self._h.mismatch(build)
             txn = self._rtxn
             fresh = False  # whether this call began the snapshot (then a miss needs no second look)
             if txn is None or _monotonic() >= self._rtxn_expires:
@@ -113,7 +153,7 @@ class ReadPath(Handle):
                 try:
                     if mark != 1:
                         raw = self._large(txn, index)
-                    elif not (pack := self._pack):
+                    elif not (pack := self._h._pack):
                         raw = txn.get(_KEY(index))
                     elif (whole := self._pack_of(txn, first := index - index % pack, index)) is None:
                         raw = txn.get(_KEY(index))  # this index's chunk is not packed
@@ -150,9 +190,9 @@ class ReadPath(Handle):
             if time.monotonic() < self._rtxn_expires:
                 return txn
             self._drop_reader()
-        env = self._env or self._env_or_open()
-        self._maybe_reader_check(env)
-        txn = self._begin_checked(env, db=self._samples)
+        env = self._h._env or self._h._env_or_open()
+        self._h._maybe_reader_check(env)
+        txn = self._h._begin_checked(env, db=self._h._samples)
         self._rtxn, self._rtxn_expires = txn, time.monotonic() + _READER_MAX_AGE
         return txn
 
@@ -166,7 +206,7 @@ class ReadPath(Handle):
 
     def _packed(self, txn: lmdb.Transaction, index: int) -> Any:
         """The value of ``index`` sliced out of its chunk's pack (span checked), or None: packs off, chunk unpacked."""
-        pack = self._pack
+        pack = self._h._pack
         if not pack:
             return None
         first = index - index % pack
@@ -175,12 +215,13 @@ class ReadPath(Handle):
 
     def _slice(self, whole: Any, index: int, first: int) -> Any:
         """The value of ``index`` in the pack ``whole`` of the chunk starting at ``first``, its span checked."""
-        n = min(self._pack, self._length - first)
+        n = min(self._h._pack, self._h._length - first)
         found = _span(whole, index - first, n) if index - first < n else f"index {index} is past the dataset's end"
         if type(found) is str:
+            path = self._h.path
             raise CorruptCacheError(
-                f"Cache '{self.path}' is damaged: the pack holding index {index} (indices {first} to {first + n - 1}) "
-                f"is broken ({found}); it was not read. Run `lmdbcache verify --repair {self.path}` to drop it "
+                f"Cache '{path}' is damaged: the pack holding index {index} (indices {first} to {first + n - 1}) "
+                f"is broken ({found}); it was not read. Run `lmdbcache verify --repair {path}` to drop it "
                 "(its samples are decoded again from the source on their next read)."
             )
         return whole[found[0] : found[1]]
@@ -206,18 +247,18 @@ class ReadPath(Handle):
         kept = txn is self._rtxn
         if kept and (whole := self._packs.get(first)) is not None:
             return whole
-        guard = self._guard
+        guard = self._h._guard
         try:
             if guard is None or not guard.start:
-                whole = txn.get(_PKEY(first, _TAG), db=self._samples)  # no map to check against (not Linux)
+                whole = txn.get(_PKEY(first, _TAG), db=self._h._samples)  # no map to check against (not Linux)
             else:
-                cursor = txn.cursor(db=self._samples)
+                cursor = txn.cursor(db=self._h._samples)
                 if not cursor.set_key(_PKEY(first, _TAG)):
                     return None
                 whole = guard.value(cursor.key(), advise=True)
                 if isinstance(whole, str):
                     raise CorruptCacheError(
-                        f"Cache '{self.path}' is damaged: the record of the pack holding index {index} is broken "
+                        f"Cache '{self._h.path}' is damaged: the record of the pack holding index {index} is broken "
                         f"({whole}); it was not read. {REBUILD}"
                     )
         except lmdb.Error as exc:
@@ -229,17 +270,17 @@ class ReadPath(Handle):
     def _record(self, txn: lmdb.Transaction, key: bytes, index: int) -> Any:
         """The record under ``key`` (a view into the map) or None, bounds-checked first; ``index`` names it."""
         try:
-            guard = self._guard
+            guard = self._h._guard
             if guard is None or not guard.start:
-                return txn.get(key, db=self._samples)
-            cursor = txn.cursor(db=self._samples)
+                return txn.get(key, db=self._h._samples)
+            cursor = txn.cursor(db=self._h._samples)
             if not cursor.set_key(key):
                 return None
             start = _clock()
             problem = guard.problem(cursor.key(), prefetch=self._cold_left > 0)
             if problem is not None:
                 raise CorruptCacheError(
-                    f"Cache '{self.path}' is damaged: the record of index {index} is broken ({problem}); it was not "
+                    f"Cache '{self._h.path}' is damaged: the record of index {index} is broken ({problem}); it was not "
                     f"read. {REBUILD}"
                 )
             raw = cursor.value()
@@ -252,7 +293,7 @@ class ReadPath(Handle):
     def _large(self, txn: lmdb.Transaction, index: int) -> Any:
         """A verified large value: announced to the kernel first while reads are cold; lmdb.Error propagates."""
         start = _clock()
-        guard = self._guard
+        guard = self._h._guard
         if self._cold_left <= 0 or guard is None or not guard.start:
             raw = txn.get(_KEY(index))
         else:
@@ -284,8 +325,8 @@ class ReadPath(Handle):
     def get_many(self, indices: list[int], always: bool = False, build: str | None = None) -> list[Any]:
         """Decode a batch of the build ``build`` in one read transaction; misses come back as ``MISSING``."""
         with self._lock:
-            if build is not None and build != self.build:
-                raise self.mismatch(build)
+            if build is not None and build != self._h.build:
+                raise self._h.mismatch(build)
             fresh = self._rtxn is None or _monotonic() >= self._rtxn_expires
             txn = self._reader()
             tree = native_tree(self, txn) if _native.core is not None else None
@@ -328,8 +369,8 @@ class ReadPath(Handle):
         carrying an ``index`` attribute is raised as ``get`` raises it.
         """
         with self._lock:
-            if build is not None and build != self.build:
-                raise self.mismatch(build)
+            if build is not None and build != self._h.build:
+                raise self._h.mismatch(build)
             txn = self._reader()
             verified = self._verified
             if _native.core is not None:
@@ -376,18 +417,18 @@ class ReadPath(Handle):
         new one would find nothing more: one read transaction per miss instead of two.
         """
         self._drop_reader()  # as after any miss: while filling, a kept snapshot only pins pages
-        raw = self._queue.lookup(index)
+        raw = self._in_queue(index)
         return MISSING if raw is None else self._decode(raw, index, always)
 
     def _get_fresh(self, indices: list[int], always: bool) -> list[Any]:
         """Look misses up again in a new snapshot, then in this process's queue. Holds self._lock."""
         self._drop_reader()
         out = []
-        with self._begin_checked(self._env or self._env_or_open()) as txn:
+        with self._h._begin_checked(self._h._env or self._h._env_or_open()) as txn:
             for index in indices:
                 raw = self._fetch(txn, index)
                 if raw is None:
-                    raw = self._queue.lookup(index)
+                    raw = self._in_queue(index)
                 out.append(MISSING if raw is None else self._decode(raw, index, always))
         return out
 
@@ -395,10 +436,10 @@ class ReadPath(Handle):
         """The stored value of ``index`` as bytes (committed or queued here), or None."""
         with self._lock:
             self._drop_reader()
-            with self._begin_checked(self._env or self._env_or_open(), db=self._samples) as txn:
+            with self._h._begin_checked(self._h._env or self._h._env_or_open(), db=self._h._samples) as txn:
                 raw = self._fetch(txn, index)
                 if raw is None:
-                    return self._queue.lookup(index)
+                    return self._in_queue(index)
                 return bytes(raw)
 
     def _decode(self, raw: Any, index: int, always: bool = False) -> Any:
@@ -416,11 +457,11 @@ class ReadPath(Handle):
 
     def _corrupt(self, index: int, exc: CorruptSampleError) -> CorruptSampleError:
         return CorruptSampleError(
-            f"Cache '{self.path}': the stored value of index {index} is damaged ({exc}); it was not returned. "
-            f"Run `lmdbcache verify --repair {self.path}` to drop damaged entries (they are decoded again "
+            f"Cache '{self._h.path}': the stored value of index {index} is damaged ({exc}); it was not returned. "
+            f"Run `lmdbcache verify --repair {self._h.path}` to drop damaged entries (they are decoded again "
             "from the source on the next read)."
         )
 
     def _read_failure(self, exc: lmdb.Error, index: int) -> LmdbCacheError:
         self._drop_reader()  # a transaction that failed is not reused
-        return translate(exc, self.path, f"reading index {index} of")
+        return translate(exc, self._h.path, f"reading index {index} of")

@@ -25,58 +25,63 @@ boot id, and a cache opened in another boot with the marker present is rebuilt (
 ``sync=True`` fsyncs every commit instead: a power loss then keeps the database consistent
 and may undo the last commit. Queued, uncommitted samples are simply decoded again later.
 
-Map size: see ``_env``. The modules behind ``Store``, and what each may import (one way)::
+Map size: see ``_env``.
 
-    store      Store: create, check, rebuild, close, fork     -> _read, _write
-    _read      the hit path, checksum policy, scans            -> _handle, codec
-    _write     queue, batched commits, map growth, deletes     -> _handle, _commit
-    _handle    state, lazy open, adopted build, transactions   -> _env, _metadata, _fs, _guard
-    _env       opening and sizing an LMDB environment          -> _fs, _lmdb_errors
-    _metadata  the metadata record: parse, validate, new       -> _lmdb_errors
-    _fs        the cache directory and its files               -> _options
-    _lmdb_errors  the one LMDB error table                     -> errors
+Composition. A ``Store`` is three objects over one ``Handle`` (``_handle``: the environment, the
+adopted build, checked transactions, the lock), each owning its state: a ``Reader`` (``_read``:
+the kept read transaction, packs, checksum flags, the core's tree), a ``Writer`` (``_write``:
+the commit queue and its thread, the file lock, ``sync``, the unsynced marker) and a ``Scanner``.
+The reader asks the writer one thing, handed to it as a function: a queued, uncommitted value
+(``Writer.lookup``). The handle tells them what they must hear through ``Handle.listen``. The
+modules behind ``Store``, and what each may import (one way)::
+
+    _store     Store: composes; initialize, check, close, fork   -> _open, _read, _write, _scanner
+    _open      create, check, upgrade, rebuild a directory       -> _handle, _write (sync_and_clear)
+    _read      Reader: the hit path, checksum policy, batches    -> _handle, _native_read, codec
+    _native_read  the hit path on the compiled core              -> _handle, _native
+    _scanner   Scanner: index-order scans                        -> _handle
+    _write     Writer: queue, batched commits, growth, deletes   -> _handle, _commit
+    _commit    the queue and its committer thread               -> (nothing of the store)
+    _handle    state, lazy open, adopted build, transactions     -> _env, _metadata, _fs, _guard
+    _env       opening and sizing an LMDB environment            -> _fs, _lmdb_errors
+    _metadata  the metadata record: parse, validate, new         -> _lmdb_errors
+    _fs        the cache directory and its files                 -> _options
+    _lmdb_errors  the one LMDB error table                       -> errors
 """
 
 from __future__ import annotations
 
-import os
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import lmdb
 
 from .._options import MIB, parse_size
-from .._version import FORMAT_VERSION
-from ..errors import (
-    CacheMismatchError,
-    CorruptCacheError,
-    InvalidOptionError,
-    LmdbCacheWarning,
-    NotACacheError,
-    ReadOnlyCacheError,
-)
-from ..format import _compress, _pack
+from ..errors import CacheMismatchError, CorruptCacheError, LmdbCacheWarning
+from ..format import _compress
 from ..format._frames import require
-from . import _fs, _metadata
-from ._commit import CommitQueue, Policy
+from . import _metadata
+from ._commit import Policy
 from ._env import MAX_MAP
 from ._fs import DATA_FILE, LOCK_FILE, WRITE_LOCK
+from ._guard import MapGuard
+from ._handle import Handle
 from ._lmdb_errors import REBUILD, translate, write_failure
-from ._read import MISSING, ReadPath
+from ._open import open_build
+from ._read import MISSING, Reader
 from ._scanner import Scanner
-from ._signals import interrupts_held
-from ._write import WritePath, sync_and_clear
+from ._write import Writer
 
 __all__ = ["DATA_FILE", "LOCK_FILE", "MISSING", "WRITE_LOCK", "Store"]
 
 
-class Store(ReadPath, WritePath):
-    """One process's handle on a cache directory (see the module docstring).
+class Store:
+    """One process's handle on a cache directory (see the module docstring): a reader and a writer over one handle.
 
-    Thread-safe: every use of the environment holds ``self._lock``, which is also what
-    lets a map growth and a pre-fork close wait for in-flight reads.
+    Thread-safe: every use of the environment holds the handle's lock (``_lock``), which is also
+    what lets a map growth and a pre-fork close wait for in-flight reads.
     """
 
     def __init__(
@@ -91,15 +96,110 @@ class Store(ReadPath, WritePath):
         checksum: str = "once",
         sync: bool = False,
     ) -> None:
-        super().__init__(path, map_size=map_size, max_readers=max_readers, checksum=checksum, sync=sync)
-        self._queue = CommitQueue(
-            self._lock,
-            self._write_batch,
-            Policy(commit_every, parse_size(commit_bytes, "commit_bytes"), commit_interval),
-            on_idle=self._idle,
-        )
-        self._close_when_idle = False  # close() was interrupted while a batch was being written
-        self._scanner = Scanner(self)  # index-order scans: composed, its state its own
+        self.path = path
+        self.checksum = checksum  # the default for reads that do not say (tools)
+        # Handed out by _registry in this process and usable here; False in a child forked since
+        # (a plain attribute rather than a pid compare: the hit path asks it per sample).
+        self.owned = False
+        self.refs = 0
+        handle = self.handle = Handle(path, map_size=map_size, max_readers=max_readers)
+        policy = Policy(commit_every, parse_size(commit_bytes, "commit_bytes"), commit_interval)
+        writer = self.writer = Writer(handle, policy, sync)
+        reader = self.reader = Reader(handle, writer.lookup)  # all a miss may ask of the write path
+        handle.listen(drop_kept=reader._drop_reader, adopted=reader.adopted, rebuilt=writer.forget)
+        self._scanner = Scanner(handle)  # index-order scans: composed, its state its own
+        self._lock = handle._lock
+        # What a dataset calls per sample, bound here once: the call costs what a method of Store's own
+        # would, with no frame in between (get_many and read_batch, once per batch, are methods below).
+        self.get = reader.get
+        self.add = writer.add
+        self.compress = handle.compress
+        self.raw = reader.raw
+        self.flush = writer.flush
+        self.put_many = writer.put_many
+        self.delete = writer.delete
+        self.sync_file = writer.sync_file
+        self.expect_build = handle.expect_build
+        self.mismatch = handle.mismatch
+        self._drop_reader = handle._drop_reader  # the reader's kept transaction ends (tests: a new snapshot)
+        self.iter_raw = self._scanner.iter_raw
+        self.iter_keys = self._scanner.iter_keys
+        self.cached_near = self._scanner.cached_near
+        self.keys_before_start = self._scanner.keys_before_start
+
+    def get_many(self, indices: list[int], always: bool = False, build: str | None = None) -> list[Any]:
+        """``Reader.get_many``: a batch decoded in one read transaction, misses as ``MISSING``."""
+        return self.reader.get_many(indices, always, build)
+
+    def read_batch(
+        self, indices: list[int], always: bool, build: str | None, copy: Callable[[list[Any], list[bool]], Any]
+    ) -> Any:
+        """``Reader.read_batch``: ``copy(views, check_data)`` under the lock and one read transaction."""
+        return self.reader.read_batch(indices, always, build, copy)
+
+    # The handle's and the writer's state, as callers read it.
+
+    @property
+    def build(self) -> str | None:
+        """The build id (``cache_id``) this process adopted (``Handle.build``)."""
+        return self.handle.build
+
+    @property
+    def retired(self) -> bool:
+        return self.handle.retired
+
+    @property
+    def readonly(self) -> bool:
+        return self.handle.readonly
+
+    @property
+    def map_size(self) -> int:
+        return self.handle.map_size
+
+    @property
+    def max_readers(self) -> int:
+        return self.handle.max_readers
+
+    @property
+    def sync(self) -> bool:
+        """Every commit fsynced (``Writer.sync``)."""
+        return self.writer.sync
+
+    @property
+    def written(self) -> int:
+        """Samples this process's commits have written (indices already present are not counted)."""
+        return self.writer.written
+
+    @property
+    def compressor(self) -> _compress.Compressor | None:
+        return self.handle.compressor
+
+    @property
+    def _env(self) -> lmdb.Environment | None:
+        return self.handle._env
+
+    @property
+    def _guard(self) -> MapGuard | None:
+        return self.handle._guard
+
+    # The registry's questions and answers (``_registry``): who owns this store, how many hold it.
+
+    def claim(self) -> None:
+        """This process's registry hands this store out: usable here."""
+        self.owned = True
+
+    def disown(self) -> None:
+        """In a child forked since: the parent's store, never used here (datasets acquire their own)."""
+        self.owned = False
+
+    def hold(self) -> None:
+        """One more holder (a dataset, a tool)."""
+        self.refs += 1
+
+    def let_go(self) -> int:
+        """One holder fewer; how many are left (at 0 the registry retires the store)."""
+        self.refs -= 1
+        return self.refs
 
     def reconcile(self, map_size: int, max_readers: int, sync: bool = False) -> None:
         """Another object asks for this open store with its own per-environment options.
@@ -109,7 +209,7 @@ class Store(ReadPath, WritePath):
         different reader table cannot be (LMDB fixes it when the first process opens the
         environment), which is a warning.
         """
-        self.sync = self.sync or sync
+        self.writer.sync = self.writer.sync or sync
         if max_readers != self.max_readers:
             warnings.warn(
                 f"Cache '{self.path}' is already open in this process with max_readers={self.max_readers}; "
@@ -122,23 +222,11 @@ class Store(ReadPath, WritePath):
         if map_size > self.map_size:
             # Applied by the next commit's _reserve, under the write lock: set_mapsize while this
             # process's committer thread has a write transaction open would fail.
-            self.map_size = map_size
-
-    def iter_raw(self, start: int = 0, chunk: int = 256) -> Iterator[tuple[int, bytes]]:
-        """Yield (index, stored value) in key order, ``chunk`` records per read transaction (``Scanner``)."""
-        return self._scanner.iter_raw(start, chunk)
-
-    def iter_keys(self, start: int = 0, chunk: int = 65536) -> Iterator[int]:
-        """Yield every cached index in order (keys only: no value is read)."""
-        return self._scanner.iter_keys(start, chunk)
-
-    def cached_near(self, starts: Iterable[int]) -> list[int]:
-        """For each start, the first cached index at or after it (wrapping around), without duplicates."""
-        return self._scanner.cached_near(starts)
+            self.handle.map_size = map_size
 
     def __repr__(self) -> str:
         state = "open" if self._env is not None else "closed"
-        return f"<Store {self.path!r} {state}, {len(self._queue.pending)} queued>"
+        return f"<Store {self.path!r} {state}, {self.writer.queued} queued>"
 
     # ------------------------------------------------------------------ opening
 
@@ -168,210 +256,66 @@ class Store(ReadPath, WritePath):
         """
         if compress is not None:
             require(compress, asked=f"compress={compress!r}")
+        handle, writer = self.handle, self.writer
         with self._lock:
             if overwrite:
-                self._queue.forget()  # samples of the build being replaced
+                writer.forget()  # samples of the build being replaced
             try:
-                self._queue.drain()
+                writer.drain()
             except CacheMismatchError:
-                self._queue.forget()  # samples of a build another process replaced
+                writer.forget()  # samples of a build another process replaced
             if overwrite:
-                self._queue.forget()  # queued by other threads while the drain waited
+                writer.forget()  # queued by other threads while the drain waited
             # From here to _adopt the lock is held: no thread can queue a sample in between.
-            self._close_env()  # another dataset in this process may have it open: start clean
-            previous = self.build
+            handle._close_env()  # another dataset in this process may have it open: start clean
+            previous = handle.build
             try:
-                meta, raw = self._initialize(length, fingerprint, overwrite, create, (compress, compress_level), pack)
+                asked = (compress, compress_level)
+                meta, raw = open_build(handle, writer.file_lock, length, fingerprint, overwrite, create, asked, pack)
                 _metadata.check_compression(meta, self.path, compress, compress_level)
                 if need_codec:
-                    self._require_codec(meta)
+                    handle._require_codec(meta)
             except BaseException:
-                self._close_env()
+                handle._close_env()
                 raise
-            self._adopt(meta, raw)
+            handle._adopt(meta, raw)
             if meta["cache_id"] != previous:
-                self._queue.forget()
+                writer.forget()
             return meta
-
-    def _initialize(
-        self,
-        length: int | None,
-        fingerprint: str | None,
-        overwrite: bool,
-        create: bool,
-        compress: tuple[str | None, int | None],
-        pack: int = 0,
-    ) -> tuple[dict[str, Any], bytes]:
-        self._make_dir(create)
-        _fs.warn_if_network_fs(self.path)
-        if not _fs.writable(self.path):
-            return self._open_readonly(length, fingerprint, overwrite)
-        return self._open_writable(length, fingerprint, overwrite, compress, pack)
-
-    def _make_dir(self, create: bool) -> None:
-        """Refuse a file as the path, or a missing cache when not creating one; create the directory."""
-        path = self.path
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise NotACacheError(
-                f"Cache path '{path}' is a file, not a directory. Pass the path of a directory "
-                "(lmdbcache creates it and keeps data.mdb and lock.mdb inside)."
-            )
-        if not create and not os.path.exists(os.path.join(path, DATA_FILE)):
-            raise NotACacheError(f"There is no cache at '{path}' (no {DATA_FILE} there). Build it first.")
-        if not os.path.isdir(path):
-            try:
-                os.makedirs(path, exist_ok=True)
-            except OSError as exc:
-                raise ReadOnlyCacheError(
-                    f"Cannot create the cache directory '{path}': {exc.strerror}. Choose a writable location."
-                ) from exc
-
-    def _open_readonly(
-        self, length: int | None, fingerprint: str | None, overwrite: bool
-    ) -> tuple[dict[str, Any], bytes]:
-        """A cache in a directory this process cannot write: open it as it is, or refuse."""
-        path = self.path
-        if overwrite:
-            raise ReadOnlyCacheError(
-                f"Cannot rebuild the cache at '{path}' (overwrite=True): the directory is read-only."
-            )
-        if not os.path.exists(os.path.join(path, DATA_FILE)):
-            raise ReadOnlyCacheError(
-                f"Cannot create a cache in '{path}': the directory is read-only. Choose a writable location."
-            )
-        _fs.check_data_file(self.path, overwrite=False)
-        boot = _fs.unsynced_in_another_boot(path)
-        if boot is not None:
-            raise CorruptCacheError(self._torn_message(boot) + " It cannot be rebuilt in a read-only location.")
-        env = self._open_env(readonly=True)
-        found = self._read_meta(env)
-        if found is None:
-            raise NotACacheError(
-                f"'{path}' holds an LMDB environment that lmdbcache did not create (it has no metadata)."
-            )
-        return _metadata.check(found[0], self.path, length, fingerprint), found[1]
-
-    def _open_writable(
-        self,
-        length: int | None,
-        fingerprint: str | None,
-        overwrite: bool,
-        compress: tuple[str | None, int | None],
-        pack: int = 0,
-    ) -> tuple[dict[str, Any], bytes]:
-        """Create, check, upgrade or (``overwrite``) rebuild the cache, under the write lock."""
-        path = self.path
-        _fs.check_dir(self.path, overwrite)  # before the lock file is created: refuse without touching anything
-        _fs.check_lmdb_files(path)
-        _fs.check_free_space(self.path, self.max_readers)
-        with self._write_lock():
-            _fs.check_dir(self.path, overwrite)
-            if not _fs.check_data_file(self.path, overwrite):
-                _fs.remove_lmdb_files(path)
-            boot = _fs.unsynced_in_another_boot(path)
-            if boot is not None:
-                if length is None:
-                    raise CorruptCacheError(self._torn_message(boot) + " Open it with its dataset to rebuild it.")
-                warnings.warn(
-                    self._torn_message(boot) + " It is being rebuilt: its samples are decoded again.",
-                    LmdbCacheWarning,
-                    stacklevel=5,
-                )
-                compress, pack = _kept_settings(path, compress, pack)
-                _fs.remove_lmdb_files(path)
-            elif _fs.has_unsynced(path):
-                # This boot's marker, left by a process that ended before its close (a crash, a kill):
-                # what it guards is in the page cache; one sync and it guards nothing.
-                with interrupts_held(block=False):
-                    sync_and_clear(path)
-            try:
-                env = self._open_env(readonly=False)
-                found = self._read_meta(env)
-            except (CorruptCacheError, NotACacheError, CacheMismatchError):
-                if not overwrite:
-                    raise
-                self._close_env()
-                _fs.remove_lmdb_files(path)
-                env = self._open_env(readonly=False)
-                found = None
-            if found is None or overwrite:
-                if length is None:
-                    raise NotACacheError(
-                        f"There is no lmdbcache cache at '{path}' to open without a dataset. Build it first "
-                        "(`lmdbcache precompute`, or CachedDataset with the source dataset)."
-                    )
-                return self._write_meta(env, length, fingerprint or "", *_compress.check(*compress), pack)
-            meta = _metadata.check(found[0], self.path, length, fingerprint)
-            if length is not None and meta["format_version"] < FORMAT_VERSION:
-                return self._upgrade_meta(env, meta)  # this process may add values: they are this format's
-            return found
-
-    def _torn_message(self, boot: str) -> str:
-        return (
-            f"Cache '{self.path}' was being filled without a disk sync when the machine went down (boot "
-            f"{boot[:36]!r} left its unsynced-commits marker, {_fs.UNSYNCED}), so it may be torn and is not read."
-        )
-
-    def _write_meta(
-        self, env: lmdb.Environment, length: int, fingerprint: str, codec: str | None, level: int, pack: int = 0
-    ) -> tuple[dict[str, Any], bytes]:
-        """Start a new build: empty the samples and write new metadata, in one transaction."""
-        meta, raw = _metadata.new(length, fingerprint, codec, level, pack)
-        try:
-            with env.begin(write=True) as txn:
-                txn.drop(self._samples, delete=False)
-                txn.put(_metadata.KEY, raw, db=self._meta_db)
-            env.sync(True)  # rare, and what every later commit builds on: never left to the writeback
-        except lmdb.Error as exc:
-            raise write_failure(exc, self.path, "the cache was not created or rebuilt") from exc
-        return meta, raw
-
-    def _upgrade_meta(self, env: lmdb.Environment, meta: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-        """Mark an older-format cache as this format before this process adds values to it (``_metadata.upgraded``)."""
-        meta, raw = _metadata.upgraded(meta)
-        try:
-            with env.begin(write=True) as txn:
-                txn.put(_metadata.KEY, raw, db=self._meta_db)
-            env.sync(True)
-        except lmdb.Error as exc:
-            raise write_failure(exc, self.path, "the metadata was not updated; nothing was lost") from exc
-        return meta, raw
 
     # ------------------------------------------------------------------ inspecting
 
     def count(self) -> int:
         """Committed samples, after committing this process's queue."""
         self.flush()
-        with self._lock, self._begin_checked(self._env or self._env_or_open()) as txn:
+        h = self.handle
+        with self._lock, h._begin_checked(h._env or h._env_or_open()) as txn:
             try:
                 # A pack is one record holding many samples: its count comes from its key and the length.
-                count = self._scanner.count_packed(txn) if self._pack else int(txn.stat(self._samples)["entries"])
+                count = self._scanner.count_packed(txn) if h._pack else int(txn.stat(h._samples)["entries"])
             except lmdb.Error as exc:
                 raise translate(exc, self.path, "counting the samples of") from exc
-        assert self._meta is not None
-        if count > self._meta["length"]:
+        assert h._meta is not None
+        if count > h._meta["length"]:
             raise CorruptCacheError(
                 f"Cache '{self.path}' is damaged: it counts {count:,} samples in a cache of length "
-                f"{self._meta['length']:,}. {REBUILD}"
+                f"{h._meta['length']:,}. {REBUILD}"
             )
         return count
 
-    def keys_before_start(self, limit: int = 1000) -> int:
-        """How many keys sort before index 0's (at most ``limit``): none in a sound cache; out of a scan's reach."""
-        return self._scanner.keys_before_start(limit)
-
     def meta(self) -> dict[str, Any]:
         """A copy of the metadata record of the build this process adopted."""
+        h = self.handle
         with self._lock:
-            self._env or self._env_or_open()
-            assert self._meta is not None
-            return dict(self._meta)
+            h._env or h._env_or_open()
+            assert h._meta is not None
+            return dict(h._meta)
 
     def env_info(self) -> dict[str, Any]:
         """LMDB's ``Environment.info()`` (map size, last page, readers) for this cache."""
         with self._lock:
             try:
-                return dict((self._env or self._env_or_open()).info())
+                return dict((self.handle._env or self.handle._env_or_open()).info())
             except lmdb.Error as exc:
                 raise translate(exc, self.path, "inspecting") from exc
 
@@ -379,16 +323,17 @@ class Store(ReadPath, WritePath):
         """LMDB's compacting copy of one consistent snapshot into the empty directory ``path``."""
         with self.reading_ahead(), self._lock:
             try:
-                (self._env or self._env_or_open()).copy(path, compact=True)
+                (self.handle._env or self.handle._env_or_open()).copy(path, compact=True)
             except lmdb.Error as exc:
                 raise write_failure(exc, path, "the copy was abandoned") from exc
 
     @contextmanager
     def reading_ahead(self) -> Iterator[None]:
         """Kernel readahead on this process's map for a scan in key order (``_guard.MapGuard.sequential``)."""
+        h = self.handle
         with self._lock:
-            self._env or self._env_or_open()
-            guard = self._guard
+            h._env or h._env_or_open()
+            guard = h._guard
         if guard is None:
             yield
             return
@@ -409,58 +354,33 @@ class Store(ReadPath, WritePath):
         """
         try:
             with self._lock:
-                self._queue.stop()
-            self.sync_file()  # takes the write lock, which comes before self._lock
+                self.writer.stop()
+            self.writer.sync_file()  # takes the write lock, which comes before the handle's lock
         finally:
             with self._lock:
                 # A second Ctrl-C can end stop() while the thread is still writing: its transaction
-                # must not lose its environment under it. The thread closes it when done (_idle).
-                if self._queue.busy:
-                    self._close_when_idle = True
-                else:
-                    self._close_env()
+                # must not lose its environment under it. The thread closes it when done (Writer._idle).
+                if not self.writer.close_later():
+                    self.handle._close_env()
 
     def retire(self) -> None:
         """``close()`` for good (the registry's last reference): from now on it never reopens (``retired``)."""
         with self._lock:
-            self.retired = True
+            self.handle.retired = True
         self.close()
-
-    def _idle(self) -> None:
-        """Called by the commit thread, with the lock held, after each batch."""
-        if self._close_when_idle:
-            self._close_when_idle = False
-            self._close_env()
 
     def before_fork(self) -> None:
         """Commit, stop the committer thread and close the environment; the lock stays held across the fork."""
         self._lock.acquire()
         try:
-            self._queue.stop()
+            self.writer.stop()
         except Exception:
             pass  # the samples stay queued in the parent; the error resurfaces on its next commit
         finally:
-            if not self._queue.busy:
-                self._close_env()
+            if not self.writer.busy:
+                self.handle._close_env()
 
     def after_fork(self, in_child: bool) -> None:
         if in_child:
-            self._queue.reset_in_child()  # the parent's samples; its committer thread does not exist here
+            self.writer.reset_in_child()  # the parent's samples; its committer thread does not exist here
         self._lock.release()
-
-
-def _kept_settings(
-    path: str, compress: tuple[str | None, int | None], pack: int
-) -> tuple[tuple[str | None, int | None], int]:
-    """The compression and packing a rebuild after a crash uses: those asked for, else the old build's (from its
-    marker, ``_fs.marker_settings``: untrusted, each value checked, a bad one ignored)."""
-    kept = _fs.marker_settings(path)
-    if compress[0] is None and kept.get("compress") is not None:
-        try:
-            compress = _compress.check(kept["compress"], kept.get("compress_level"))
-        except InvalidOptionError:
-            pass  # a damaged marker: what the caller asked for
-    found = kept.get("pack")
-    if not pack and type(found) is int and 0 <= found <= _pack.MAX_PACK:
-        pack = found
-    return compress, pack

@@ -18,30 +18,100 @@ written whole by one batch (``precompute``) goes straight into its pack.
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Iterable
 from typing import Any
 
+import filelock
 import lmdb
 
 from ..errors import CacheMismatchError, LmdbCacheError, ReadOnlyCacheError
 from ..format import _pack
 from . import _fs, _metadata
-from ._commit import Policy
+from ._commit import CommitQueue, Policy
 from ._env import grown_size
+from ._fs import WRITE_LOCK
 from ._handle import Handle
 from ._lmdb_errors import write_failure
 from ._signals import interrupts_held
 
-__all__ = ["WritePath", "sync_and_clear"]
+__all__ = ["Writer", "sync_and_clear"]
 
 _KEY = struct.Struct(">Q").pack
 _PKEY = _pack.key
 _TAG = _pack.TAG
 
 
-class WritePath(Handle):
-    """Queueing, committing and deleting samples (see the module docstring)."""
+class Writer:
+    """Queueing, committing and deleting samples (see the module docstring): its own state, over ``handle``.
+
+    It owns the commit queue and its committer thread, the inter-process file lock, the ``sync``
+    setting and the unsynced marker this process left. Every public method takes the handle's lock.
+    """
+
+    def __init__(self, handle: Handle, policy: Policy, sync: bool = False) -> None:
+        self._h = handle
+        self._lock = handle._lock
+        self.sync = sync  # fsync every commit (else once, at close; see _fs on the unsynced marker)
+        self._unsynced = False  # this process committed without a sync since the last one
+        self._file_lock: filelock.BaseFileLock | None = None
+        self._close_when_idle = False  # close() was interrupted while a batch was being written
+        self._queue = CommitQueue(handle._lock, self._write_batch, policy, on_idle=self._idle)
+
+    def lookup(self, index: int) -> bytes | None:
+        """The encoded value of ``index`` if it is queued or in flight here (not yet committed), else None.
+
+        What the reader may ask of the write path (``Store`` hands it this method); the lock is held.
+        """
+        return self._queue.lookup(index)
+
+    @property
+    def queued(self) -> int:
+        """Samples queued and not yet handed to the committer."""
+        return len(self._queue.pending)
+
+    def file_lock(self) -> filelock.BaseFileLock:
+        """The inter-process write lock (``lmdbcache.lock``): every commit, and a create or rebuild, holds it."""
+        if self._file_lock is None:
+            _fs.check_lmdb_files(self._h.path)  # filelock would follow a linked lmdbcache.lock
+            self._file_lock = filelock.FileLock(os.path.join(self._h.path, WRITE_LOCK))
+        return self._file_lock
+
+    # The lifecycle Store drives (the lock held by the caller): rebuilds, close, fork.
+
+    def drain(self) -> int:
+        """Commit the queue now and wait for it; how many samples were queued."""
+        return self._queue.drain()
+
+    def forget(self) -> None:
+        """Drop every queued sample: the build they belong to is being replaced, or was."""
+        self._queue.forget()
+
+    def stop(self) -> None:
+        """Commit the queue and end the committer thread (``CommitQueue.stop``)."""
+        self._queue.stop()
+
+    @property
+    def busy(self) -> bool:
+        """A batch is being written right now (by the committer, or by a caller's ``put_many``)."""
+        return self._queue.busy
+
+    def close_later(self) -> bool:
+        """If a batch is being written now, have the committer close the environment when done (``_idle``): True."""
+        if self._queue.busy:
+            self._close_when_idle = True
+        return self._queue.busy
+
+    def reset_in_child(self) -> None:
+        """In a fork child: the parent's queued samples and committer thread do not exist here."""
+        self._queue.reset_in_child()
+
+    def _idle(self) -> None:
+        """Called by the commit thread, with the lock held, after each batch."""
+        if self._close_when_idle:
+            self._close_when_idle = False
+            self._h._close_env()
 
     def add(self, index: int, value: bytes, build: str | None = None, policy: Policy | None = None) -> None:
         """Queue one encoded sample for the build ``build``; the committer thread writes it (see ``_commit``).
@@ -50,13 +120,13 @@ class WritePath(Handle):
         build this store no longer holds is refused, never written into the new one.
         """
         with self._lock:
-            if build is not None and build != self.build:
-                raise self.mismatch(build)
-            if self._stale is not None:
-                raise CacheMismatchError(self._stale)
-            if self.readonly or (self._env is None and not _fs.writable(self.path)):
+            if build is not None and build != self._h.build:
+                raise self._h.mismatch(build)
+            if self._h._stale is not None:
+                raise CacheMismatchError(self._h._stale)
+            if self._h.readonly or (self._h._env is None and not _fs.writable(self._h.path)):
                 raise ReadOnlyCacheError(
-                    f"Cache '{self.path}' is read-only (read-only directory or mount) and index {index} is not "
+                    f"Cache '{self._h.path}' is read-only (read-only directory or mount) and index {index} is not "
                     "cached. Open the cache without a dataset, or copy it to a writable location to fill it."
                 )
             self._queue.add(index, value, policy)
@@ -79,8 +149,8 @@ class WritePath(Handle):
         """
         batch = sorted(items)
         with self._lock:
-            if build is not None and build != self.build:
-                raise self.mismatch(build)
+            if build is not None and build != self._h.build:
+                raise self._h.mismatch(build)
             self._queue.begin_direct(batch)
         try:
             return self._write_batch(batch)
@@ -98,22 +168,22 @@ class WritePath(Handle):
             return 0
         items = [(_KEY(i), v) for i, v in batch]
         need = sum(len(k) + len(v) for k, v in items)
-        with self._write_lock():
+        with self.file_lock():
             with self._lock:
-                env = self._env or self._env_or_open()
-                self._maybe_reader_check(env)
-                self._reserve(env, need)
+                env = self._h._env or self._h._env_or_open()
+                self._h._maybe_reader_check(env)
+                self._h._reserve(env, need)
             # The marker goes down (fsynced) before any byte of an unsynced commit: see _fs.
-            durable = self.sync or not _fs.mark_unsynced(self.path, self._settings())
+            durable = self.sync or not _fs.mark_unsynced(self._h.path, self._settings())
             for _ in range(64):
                 try:
                     written = 0
                     with env.begin(write=True) as txn:
                         self._check_cache_id(txn)
-                        if self._pack:
+                        if self._h._pack:
                             written = self._put_packed(txn, batch)
                         else:
-                            put, db = txn.put, self._samples
+                            put, db = txn.put, self._h._samples
                             for key, value in items:
                                 written += put(key, value, db=db, overwrite=False)
                     if durable:
@@ -123,29 +193,29 @@ class WritePath(Handle):
                     return written
                 except lmdb.MapFullError:
                     with self._lock:
-                        self._set_mapsize(env, grown_size(env, need))
+                        self._h._set_mapsize(env, grown_size(env, need))
                 except lmdb.MapResizedError:
                     with self._lock:
-                        self._set_mapsize(env, 0)
+                        self._h._set_mapsize(env, 0)
                 except lmdb.Error as exc:
                     raise write_failure(
                         exc,
-                        self.path,
+                        self._h.path,
                         f"{len(items)} samples were not cached (they are decoded again on the next read; "
                         "everything committed before is intact)",
                     ) from exc
-        raise LmdbCacheError(f"Cache '{self.path}': could not make room for {need} bytes after 64 map growths.")
+        raise LmdbCacheError(f"Cache '{self._h.path}': could not make room for {need} bytes after 64 map growths.")
 
     def _delete_in(self, env: lmdb.Environment, wanted: set[int]) -> int:
         """One transaction of ``delete``: the indices of ``wanted`` gone, their chunks unpacked; how many existed."""
         with env.begin(write=True) as txn:
             self._check_cache_id(txn)
-            db, pack, deleted = self._samples, self._pack, 0
+            db, pack, deleted = self._h._samples, self._h._pack, 0
             for k in sorted(wanted):
                 if txn.delete(_KEY(k), db=db):
                     deleted += 1
                 elif pack and (whole := txn.get(_PKEY(first := k - k % pack, _TAG), db=db)) is not None:
-                    n = min(pack, self._length - first)
+                    n = min(pack, self._h._length - first)
                     whole = bytes(whole)
                     broken = _pack.problem(whole, n) is not None
                     txn.delete(_PKEY(first, _TAG), db=db)
@@ -158,7 +228,7 @@ class WritePath(Handle):
 
     def _settings(self) -> dict[str, Any]:
         """The build's creation settings, for the unsynced-commits marker."""
-        return _metadata.settings(self._meta) if self._meta is not None else {}
+        return _metadata.settings(self._h._meta) if self._h._meta is not None else {}
 
     def _put_packed(self, txn: lmdb.Transaction, batch: list[tuple[int, bytes]]) -> int:
         """Write ``batch`` (sorted) into ``txn``, packing every chunk it completes; return how many indices were new.
@@ -168,7 +238,7 @@ class WritePath(Handle):
         else the batch's values as singles. The chunk's other indices are looked up one by one,
         stopping at the first absent one, so an incomplete chunk costs little.
         """
-        pack, length, db = self._pack, self._length, self._samples
+        pack, length, db = self._h._pack, self._h._length, self._h._samples
         get, put, delete = txn.get, txn.put, txn.delete
         written, at = 0, 0
         while at < len(batch):
@@ -213,17 +283,17 @@ class WritePath(Handle):
         (``_fs.mark_unsynced``, under the same write lock). Called without the lock (it takes
         the write lock, which comes first). Ctrl-C waits for the sync and the marker's removal.
         """
-        if not self._unsynced and (self.readonly or self.build is None or not _fs.has_unsynced(self.path)):
+        if not self._unsynced and (self._h.readonly or self._h.build is None or not _fs.has_unsynced(self._h.path)):
             return  # (a store that adopted no build may have refused another boot's marker: never clear that)
-        with self._write_lock(), interrupts_held(block=False):
-            sync_and_clear(self.path)
+        with self.file_lock(), interrupts_held(block=False):
+            sync_and_clear(self._h.path)
         self._unsynced = False
 
     def _check_cache_id(self, txn: lmdb.Transaction) -> None:
         """Inside a write transaction: refuse to write into a build this process did not adopt."""
-        if not self._same_build(txn)[0]:
+        if not self._h._same_build(txn)[0]:
             raise CacheMismatchError(
-                f"Cache '{self.path}' was rebuilt by another process (overwrite=True) while this one was filling "
+                f"Cache '{self._h.path}' was rebuilt by another process (overwrite=True) while this one was filling "
                 "it; its queued samples were dropped. Create the dataset again."
             )
 
@@ -235,23 +305,23 @@ class WritePath(Handle):
         """
         wanted = set(keys)
         with self._lock:
-            env = self._env or self._env_or_open()
+            env = self._h._env or self._h._env_or_open()
             try:
-                with self._write_lock():
+                with self.file_lock():
                     for _ in range(64):
                         try:
                             deleted = self._delete_in(env, wanted)
                         except lmdb.MapFullError:  # unpacking a chunk: its values take single pages again
-                            self._set_mapsize(env, grown_size(env, 16 * _pack.SMALL * max(self._pack, 1)))
+                            self._h._set_mapsize(env, grown_size(env, 16 * _pack.SMALL * max(self._h._pack, 1)))
                             continue
                         except lmdb.MapResizedError:  # another process grew the map
-                            self._set_mapsize(env, 0)
+                            self._h._set_mapsize(env, 0)
                             continue
                         env.sync(True)
                         return deleted
-                    raise LmdbCacheError(f"Cache '{self.path}': no room to unpack after 64 map growths.")
+                    raise LmdbCacheError(f"Cache '{self._h.path}': no room to unpack after 64 map growths.")
             except lmdb.Error as exc:
-                raise write_failure(exc, self.path, "nothing was deleted") from exc
+                raise write_failure(exc, self._h.path, "nothing was deleted") from exc
 
 
 def sync_and_clear(path: str) -> None:
