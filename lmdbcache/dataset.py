@@ -19,6 +19,7 @@ from .format._diff import first_difference
 from .format.codec import decode, encode
 from .store import _registry
 from .store._commit import Policy
+from .store._native_read import decode_new
 from .store._store import MISSING, Store
 
 __all__ = ["CachedDataset", "dataset_length", "default_fingerprint", "register_batch_hook"]
@@ -313,7 +314,7 @@ class CachedDataset(Dataset[Any]):
             store.add(i, store.compress(value), self._build, self._policy)
             # Decoded from the bytes just stored: exactly what a later hit returns (same types,
             # contiguous, writable). No data checksum: these bytes never left this process.
-            out.append(decode(value, i, verify_data=False))
+            out.append(decode_new(value, i))
         return out
 
     def _read_source(self, indices: list[int]) -> list[Any]:

@@ -1017,3 +1017,234 @@ def test_fork_after_the_core_found_a_tree(tmp_path: Any) -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert "child status 0" in out.stdout, out.stdout
+
+
+# ----------------------------------------------------------------------------------------
+# Tree.sample: a flat value decoded in the core, any other (or any damaged one) handed back to Python's decode
+
+_FLAT_KINDS = [k for k in SAMPLE_KINDS if "not flat" not in k]
+
+
+@needs_core
+@pytest.mark.parametrize("kind", ["dtype uint8", "dtype bfloat16", "scalars first", "0-d tensors", "scalars only"])
+def test_sample_agrees_with_decode_on_every_single_byte_damage(tmp_path: Any, kind: str) -> None:
+    """Tree.sample over a flat value with each byte flipped in turn: a sample exactly when decode returns one
+    (byte-identical), else the value's view (decode then raises its own error), first and verified reads."""
+    import lmdb
+
+    from lmdbcache.format._decode import NATIVE_PLANS
+    from lmdbcache.store._guard import PREFETCH_MIN, MapGuard
+
+    core.set_plans(NATIVE_PLANS)
+    make = SAMPLE_KINDS[kind]
+    size = len(codec.encode(make(0), 0))
+    values = {}
+    for i in range(size + 1):  # value i has byte i - 1 flipped (value 0: intact)
+        value = bytearray(codec.encode(make(i), i))
+        if i:
+            value[i - 1] ^= 0x5A
+        values[i] = bytes(value)
+    codec.decode(values[0], 0)  # the decoder plans the signature, as a first read does
+    env = lmdb.open(str(tmp_path / "env"), max_dbs=2, map_size=1 << 26)
+    try:
+        db = env.open_db(b"samples")
+        with env.begin(write=True) as txn:
+            for i, value in values.items():
+                txn.put(key(i), value, db=db)
+        guard = MapGuard(str(tmp_path / "env" / "data.mdb"), env.stat()["psize"])
+        base, length, _ = guard.mapping()
+        with env.begin() as txn:
+            code, root, depth = core.open_tree(base, length, env.stat()["psize"], txn.id(), b"samples")
+            assert code == _native.OK
+            tree = core.Tree(base, length, env.stat()["psize"], root, depth, 0, len(values), PREFETCH_MIN)
+            outcomes = collections.Counter()
+            for always in (False, True):
+                verified = bytearray(len(values))
+                for rounds in range(2):  # the first read checks the data checksum; the second only if always
+                    for i, value in values.items():
+                        check = always or not rounds
+                        try:
+                            want = _bytes_of(codec.decode(value, i, verify_data=check))
+                        except CorruptSampleError:
+                            want = None
+                        got = tree.sample(i, always, verified)
+                        if want is None:
+                            assert type(got) is memoryview and bytes(got) == value, (i, got)
+                            assert verified[i] == (1 if rounds else 0) or not check, i
+                        else:
+                            assert type(got) is tuple and _bytes_of(got) == want, (i, got)
+                            assert verified[i] == 1, i
+                        outcomes[type(got).__name__, rounds] += 1
+                        verified[i] = verified[i] if want is not None or rounds else 1
+            assert outcomes["tuple", 0] >= 2 and outcomes["memoryview", 0] >= size // 2, outcomes
+    finally:
+        env.close()
+
+
+@needs_core
+@pytest.mark.parametrize("kind", _FLAT_KINDS)
+def test_flat_single_reads_are_decoded_in_the_core(tmp_path: Any, kind: str) -> None:
+    """Every flat sample kind comes back from the core decoded (a tuple), equal to decode's, the index marked."""
+    from lmdbcache.format import _decode
+
+    make = SAMPLE_KINDS[kind]
+    path = str(tmp_path / "c.lmdb")
+    ds = CachedDataset(Listed([make(i) for i in range(9)]), path)
+    ds.__getitems__(list(range(9)))
+    ds.close()
+    _decode._PLANS.clear()
+    _decode.NATIVE_PLANS.clear()
+    core.set_plans(_decode.NATIVE_PLANS)  # forgets its last plan too
+    ds = CachedDataset.open(path)
+    try:
+        assert _bytes_of(ds[4]) == _bytes_of(make(4))  # a signature seen first: decoded in Python, planned
+        store = ds._live_store().reader
+        verified = store._verified
+        for i in (5, 6, 4):
+            assert verified[i] == (i == 4)
+            got = store._tree[7](i, False, verified)
+            assert type(got) is tuple and _bytes_of(got) == _bytes_of(make(i)), i
+            assert verified[i] == 1
+    finally:
+        ds.close()
+
+
+def _random_flat(rng: random.Random, i: int) -> tuple[Any, ...]:
+    """A flat sample of 1 to 6 items: tensors of random dtypes and shapes (0-d, empty, up to 3-d), int /
+    float / bool scalars, in a random order."""
+    items: list[Any] = []
+    for _ in range(rng.randint(1, 6)):
+        roll = rng.random()
+        if roll < 0.5:
+            shape = tuple(rng.randint(0 if rng.random() < 0.1 else 1, 5) for _ in range(rng.randint(0, 3)))
+            items.append(_tensor(i * 7 + len(items), rng.choice([d for d in _DTYPES if hasattr(torch, d)]), shape))
+        elif roll < 0.7:
+            items.append(rng.randint(-(2**63), 2**63 - 1))
+        elif roll < 0.9:
+            items.append(rng.uniform(-1e300, 1e300))
+        else:
+            items.append(rng.random() < 0.5)
+    return tuple(items)
+
+
+@needs_core
+def test_decode_flat_equals_decode_on_random_samples() -> None:
+    """core.decode_flat gives decode's sample byte for byte on random flat samples, and None (decode then
+    raises) for each of them with a random byte flipped, the data checksum on or off."""
+    from lmdbcache.format._decode import NATIVE_PLANS
+
+    core.set_plans(NATIVE_PLANS)
+    rng = random.Random(24)
+    decoded = refused = 0
+    for i in range(300):
+        sample = _random_flat(rng, i)
+        value = codec.encode(sample, i)
+        want = _bytes_of(codec.decode(value, i))  # plans the signature
+        assert want == _bytes_of(sample)
+        for verify in (False, True):
+            got = core.decode_flat(value, i, verify)
+            assert type(got) is tuple and _bytes_of(got) == want, (i, sample)
+            decoded += 1
+        damaged = bytearray(value)
+        damaged[rng.randrange(len(damaged))] ^= 1 << rng.randrange(8)
+        for verify in (False, True):
+            try:
+                expected = _bytes_of(codec.decode(bytes(damaged), i, verify_data=verify))
+            except CorruptSampleError:
+                expected = None
+            got = core.decode_flat(damaged, i, verify)
+            if expected is None:
+                assert got is None, (i, verify)
+                refused += 1
+            else:  # a flip in the data (or its checksum) read without the data checksum: decode's bytes too
+                assert got is not None and _bytes_of(got) == expected, (i, verify)
+    assert decoded == 600 and refused > 300, refused
+
+
+@needs_core
+def test_view_is_a_hashable_read_only_view_of_memory() -> None:
+    """core.view: a read-only view of raw memory whose slices hash like bytes; a null or wrapping span refused."""
+    block = ctypes.create_string_buffer(b"lmdbcache", 9)
+    mv = core.view(ctypes.addressof(block), 9)
+    assert bytes(mv) == b"lmdbcache" and mv.readonly and hash(mv[1:4]) == hash(b"mdb")
+    for at, size in ((0, 1), (2**64 - 4, 8), (1, 2**63)):
+        with pytest.raises(ValueError, match="not a span"):
+            core.view(at, size)
+
+
+@needs_core
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise to drop the file's cached pages")
+def test_cold_large_values_read_the_same_both_ways(tmp_path: Any) -> None:
+    """Large values read while their pages are out of the page cache (announced, copied with the GIL released)
+    are byte-identical to the Python path's, first reads and verified ones."""
+    path = str(tmp_path / "c.lmdb")
+
+    def make(i: int) -> Any:
+        return (_tensor(i, "uint8", (3, 96, 96)), i)  # 27 KiB: over PREFETCH_MIN, so announced when cold
+
+    ds = CachedDataset(Listed([make(i) for i in range(12)]), path)
+    ds.__getitems__(list(range(12)))
+    ds.close()
+
+    def drop_cached_pages() -> None:
+        fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+    order = random.Random(3).sample(range(12), 12)
+    drop_cached_pages()
+    native = _reads(path, order)
+    drop_cached_pages()
+    with _python_path():
+        python = _reads(path, order)
+    assert native == python and native[:12] == [_bytes_of(make(i)) for i in order]
+
+
+@needs_core
+def test_a_plan_the_core_cannot_follow_leaves_the_value_to_decode() -> None:
+    """Plans that do not describe their value (wrong sizes, a bad order, wrong types) make decode_flat answer
+    None with no exception left set, so decode reads the value; the real plans then work again."""
+    from lmdbcache.format._decode import NATIVE_PLANS
+
+    sample = (_tensor(1, "int16", (2, 3)), 7, 0.25)
+    value = codec.encode(sample, 5)
+    codec.decode(value, 5)
+    key_, plan = next((k, p) for k, p in NATIVE_PLANS.items() if value[25 : 25 + len(k)] == k)
+    broken = [
+        (plan[0] + 1, *plan[1:]),  # structure size
+        (*plan[:2], plan[2] + 200, *plan[3:]),  # scalars past the structure
+        (*plan[:3], b"qqqq", *plan[4:]),  # more scalars than the order holds
+        (*plan[:5], (0, 0, 1), *plan[6:]),  # an item twice
+        (*plan[:5], ("x", 1, 2), *plan[6:]),  # not an int
+        (*plan[:6], None, plan[7]),  # ndarray not callable
+        plan[:7],  # too short
+    ]
+    try:
+        for bad in broken:
+            core.set_plans({key_: bad})
+            assert core.decode_flat(value, 5, True) is None, bad
+    finally:
+        core.set_plans(NATIVE_PLANS)
+    assert _bytes_of(core.decode_flat(value, 5, True)) == _bytes_of(sample)
+
+
+@needs_core
+def test_misses_between_commits_reuse_the_last_tree(tmp_path: Any, counting: Any) -> None:
+    """A fill's misses each begin a read transaction; with no commit between them the core's tree (and the
+    build check) of the last snapshot is reused, and every sample is still the source's."""
+    path = str(tmp_path / "c.lmdb")
+    ds = CachedDataset(Synthetic(80), path, commit_every=1000, commit_interval=60.0)
+    try:
+        ds[0]
+        ds.flush()  # a committed snapshot with a samples tree
+        counting.calls.clear()
+        got = [ds[i] for i in range(1, 80)]
+        assert counting.calls["open_tree"] <= 3 and counting.calls["Tree"] <= 2, counting.calls  # not one per miss (79)
+        ds.flush()
+        assert [_bytes_of(s) for s in got] == [_bytes_of(ds[i]) for i in range(1, 80)]
+        assert counting.calls["open_tree"] >= 1  # the commit: a new snapshot, a new tree
+    finally:
+        ds.close()

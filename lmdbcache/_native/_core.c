@@ -585,13 +585,16 @@ static long os_page = 0;
  * copied: one read for all of it instead of a page fault per page, since the map is opened without readahead
  * (issue #14, lmdbcache/_guard.py). mincore() of one page tells cold from warm: a warm value costs that one
  * syscall, never the advice's walk over its cached pages. Only advice: nothing is touched, failures are ignored. */
-static void advise_if_cold(const Map *m, uint64_t offset, uint64_t size) {
+static int advise_if_cold(const Map *m, uint64_t offset, uint64_t size) {
 #ifdef HAVE_ADVICE
-    if (os_page <= 0) return;
+    if (os_page <= 0) return 0;
     uintptr_t start = (uintptr_t)(m->base + offset), first = start - start % (uintptr_t)os_page;
     unsigned char resident = 0;
-    if (mincore((void *)first, (size_t)os_page, &resident) == 0 && (resident & 1)) return;
+    if (mincore((void *)first, (size_t)os_page, &resident) == 0 && (resident & 1)) return 0;
     madvise((void *)first, (size_t)(start + size - first), MADV_WILLNEED); /* the map is page-aligned: first >= base */
+    return 1;
+#else
+    return 0;
 #endif
 }
 
@@ -818,8 +821,266 @@ static PyObject *tree_value(PyObject *self, PyObject *arg) {
     return PyMemoryView_FromMemory((char *)(uintptr_t)(t->m.base + offset), (Py_ssize_t)size, PyBUF_READ);
 }
 
+/* ------------------------------------------------------------------------------------------
+ * A single read decoded in one call (Tree.sample): the value located as Tree.value locates it, then, for
+ * a flat value (format 3's flat tuple: tensors and int / float / bool scalars) whose signature Python has
+ * planned before, its header, structure checksum and lengths checked, each tensor's bytes copied into a
+ * new bytearray (the data checksum over the copies when asked), wrapped as numpy array then tensor with
+ * the plan's own callables, and the scalars read: the sample, as lmdbcache.format._decode.decode builds it.
+ * Anything else (another form, an unplanned signature, any check that fails, any Python call that fails)
+ * returns the value's view: the Python decoder then decodes it, or raises its own error for it, so the
+ * two paths cannot disagree on what a damaged value is.
+ *
+ * A plan (lmdbcache.format._decode.native_plan, kept in the dict handed to set_plans, keyed by the
+ * signature's u16 length and bytes): (struct_size, value_size, scalars_at, codes, tensors, order,
+ * ndarray, from_numpy): codes a bytes of 'q' / 'd' / '?' (little-endian i64, f64, bool), tensors a tuple
+ * of (nbytes, dtype, shape, view dtype or None), order the item order (k >= 0: tensor k; ~k: scalar k). */
+
+static PyObject *flat_plans = NULL;             /* set_plans(dict) */
+static PyObject *last_key = NULL, *last_plan = NULL; /* the last plan found: a hit costs one memcmp */
+static PyObject *str_view = NULL;                    /* "view", interned at import */
+
+PyDoc_STRVAR(py_set_plans_doc,
+             "set_plans(plans, /) -> None\n\n"
+             "The dict of flat plans Tree.sample looks signatures up in (lmdbcache.format._decode.NATIVE_PLANS).");
+
+static PyObject *py_set_plans(PyObject *self, PyObject *arg) {
+    if (!PyDict_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "set_plans() takes a dict");
+        return NULL;
+    }
+    Py_XSETREF(flat_plans, Py_NewRef(arg));
+    Py_CLEAR(last_key);
+    Py_CLEAR(last_plan);
+    Py_RETURN_NONE;
+}
+
+/* The plan of the signature at [sig, sig + n) (borrowed; valid while the GIL is held), or NULL: not planned. */
+static PyObject *plan_of(const uint8_t *sig, Py_ssize_t n) {
+    if (last_key != NULL && PyBytes_GET_SIZE(last_key) == n && !memcmp(PyBytes_AS_STRING(last_key), sig, (size_t)n))
+        return last_plan;
+    if (flat_plans == NULL) return NULL;
+    PyObject *key = PyBytes_FromStringAndSize((const char *)sig, n);
+    if (key == NULL) return NULL;
+    PyObject *plan = PyDict_GetItemWithError(flat_plans, key); /* borrowed */
+    if (plan == NULL || !PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != 8) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    Py_XSETREF(last_key, key);
+    Py_XSETREF(last_plan, Py_NewRef(plan));
+    return plan;
+}
+
+/* Bytes from which a copy releases the GIL (as NOGIL_MIN for a hash). */
+#define COPY_NOGIL_MIN (64 * 1024)
+#define MAX_ITEMS 255 /* MAX_FLAT_ITEMS: a plan with more is refused */
+
+/* The sample of the flat value at v (size bytes, checked against the map) under ``index``, or NULL with no
+ * exception set: not a planned flat value, or a check failed (the caller hands Python the view). Every offset
+ * below is checked against ``size`` first; ``verify``: the data checksum too; ``cold``: the value is being read
+ * from the disk (advise_if_cold said so), so its copy releases the GIL whatever its size. */
+static PyObject *flat_sample(const uint8_t *v, uint64_t size, uint64_t index, int verify, int cold) {
+    if (size < 27 || memcmp(v, "LMC\x02", 4) || v[24] != 0xC1) return NULL;
+    uint64_t klen = (uint64_t)le16(v + 25) + 2;
+    if (klen > size - 25) return NULL;
+    uint64_t ssize = le32(v + 4);
+    uint64_t hashed = 24 + ssize < size ? ssize : size - 24; /* as Python slices mv[24:24 + size] */
+    if (xxh3_64(v + 24, hashed, index) != le64(v + 8)) return NULL;
+    PyObject *plan = plan_of(v + 25, (Py_ssize_t)klen);
+    if (plan == NULL) return NULL;
+    unsigned long long struct_size = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(plan, 0));
+    unsigned long long value_size = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(plan, 1));
+    unsigned long long scalars_at = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(plan, 2));
+    PyObject *codes = PyTuple_GET_ITEM(plan, 3), *tensors = PyTuple_GET_ITEM(plan, 4);
+    PyObject *order = PyTuple_GET_ITEM(plan, 5), *ndarray = PyTuple_GET_ITEM(plan, 6);
+    PyObject *from_numpy = PyTuple_GET_ITEM(plan, 7);
+    if (PyErr_Occurred() || !PyBytes_Check(codes) || !PyTuple_Check(tensors) || !PyTuple_Check(order)) return NULL;
+    if (ssize != struct_size || size != value_size || value_size < 24 || struct_size > value_size - 24) return NULL;
+    Py_ssize_t ntensors = PyTuple_GET_SIZE(tensors), nscalars = PyBytes_GET_SIZE(codes);
+    if (ntensors + nscalars > MAX_ITEMS || PyTuple_GET_SIZE(order) != ntensors + nscalars) return NULL;
+    /* The plan's fields must tile the value (Python's plan makes them so; checked, not trusted). */
+    uint64_t nbytes[MAX_ITEMS], pos = 24 + struct_size;
+    for (Py_ssize_t k = 0; k < ntensors; k++) {
+        PyObject *spec = PyTuple_GET_ITEM(tensors, k);
+        if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 4) return NULL;
+        nbytes[k] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(spec, 0));
+        if (PyErr_Occurred() || nbytes[k] > size - pos) return NULL;
+        pos += nbytes[k];
+    }
+    const uint8_t *kinds = (const uint8_t *)PyBytes_AS_STRING(codes);
+    uint64_t scalar_bytes = 0;
+    for (Py_ssize_t k = 0; k < nscalars; k++) scalar_bytes += kinds[k] == '?' ? 1 : 8;
+    if (pos != size || scalars_at > 24 + struct_size || scalar_bytes > 24 + struct_size - scalars_at) return NULL;
+    PyObject *items[MAX_ITEMS] = {NULL};
+    Py_ssize_t nitems = ntensors + nscalars, made = 0;
+    PyObject *out = NULL;
+    uint8_t *copies[MAX_ITEMS];
+    pos = 24 + struct_size;
+    for (; made < ntensors; made++) { /* the bytearrays first, so that the copies can run together */
+        if ((items[made] = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)nbytes[made])) == NULL) goto fail;
+        copies[made] = (uint8_t *)PyByteArray_AS_STRING(items[made]);
+    }
+    uint64_t digest = index;
+    if (cold || size - 24 - struct_size >= COPY_NOGIL_MIN) { /* cold: the copy waits for the disk */
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t k = 0; k < ntensors; k++) {
+            memcpy(copies[k], v + pos, nbytes[k]);
+            if (verify) digest = xxh3_64(copies[k], nbytes[k], digest); /* over the copy: what the sample holds */
+            pos += nbytes[k];
+        }
+        Py_END_ALLOW_THREADS
+    } else {
+        for (Py_ssize_t k = 0; k < ntensors; k++) {
+            memcpy(copies[k], v + pos, nbytes[k]);
+            if (verify) digest = xxh3_64(copies[k], nbytes[k], digest);
+            pos += nbytes[k];
+        }
+    }
+    if (verify && digest != le64(v + 16)) goto fail;
+    for (Py_ssize_t k = 0; k < ntensors; k++) { /* bytearray -> ndarray(shape, dtype, buffer) -> tensor (.view) */
+        PyObject *spec = PyTuple_GET_ITEM(tensors, k), *view = PyTuple_GET_ITEM(spec, 3);
+        PyObject *args[3] = {PyTuple_GET_ITEM(spec, 2), PyTuple_GET_ITEM(spec, 1), items[k]};
+        PyObject *arr = PyObject_Vectorcall(ndarray, args, 3, NULL);
+        if (arr == NULL) goto fail;
+        PyObject *t = PyObject_CallOneArg(from_numpy, arr);
+        Py_DECREF(arr);
+        if (t == NULL) goto fail;
+        if (view != Py_None) {
+            PyObject *viewed = PyObject_CallMethodOneArg(t, str_view, view);
+            Py_DECREF(t);
+            if ((t = viewed) == NULL) goto fail;
+        }
+        Py_SETREF(items[k], t);
+    }
+    const uint8_t *s = v + scalars_at;
+    for (Py_ssize_t k = 0; k < nscalars; k++, made++) {
+        if (kinds[k] == 'q') {
+            items[made] = PyLong_FromLongLong((long long)le64(s));
+            s += 8;
+        } else if (kinds[k] == 'd') {
+            uint64_t bits = le64(s);
+            double d;
+            memcpy(&d, &bits, 8);
+            items[made] = PyFloat_FromDouble(d);
+            s += 8;
+        } else if (kinds[k] == '?') {
+            items[made] = Py_NewRef(*s ? Py_True : Py_False);
+            s += 1;
+        } else {
+            goto fail;
+        }
+        if (items[made] == NULL) goto fail;
+    }
+    if ((out = PyTuple_New(nitems)) == NULL) goto fail;
+    for (Py_ssize_t k = 0; k < nitems; k++) {
+        Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(order, k));
+        if (at == -1 && PyErr_Occurred()) goto fail;
+        at = at >= 0 ? at : ntensors + ~at; /* ~k: scalar k, stored after the tensors */
+        if (at < 0 || at >= nitems || items[at] == NULL) goto fail;
+        PyTuple_SET_ITEM(out, k, items[at]);
+        items[at] = NULL; /* each item is used once: a plan's order is a permutation */
+    }
+    return out;
+fail:
+    PyErr_Clear(); /* the Python decoder says what is wrong, in its own words */
+    Py_XDECREF(out);
+    for (Py_ssize_t k = 0; k < nitems; k++) Py_XDECREF(items[k]);
+    return NULL;
+}
+
+PyDoc_STRVAR(tree_sample_doc,
+             "sample(index, always, verified, /) -> tuple | memoryview | None | int\n\n"
+             "A single read (``ds[i]``) in one call: the value of ``index`` located as value() locates it; a flat\n"
+             "value whose signature is in the plans (set_plans) is checked and decoded here, its data checksum\n"
+             "verified when ``always`` or on the first read (``verified`` None, past its end, or its byte 0; the\n"
+             "byte is then set: 2 for a value of advise_min bytes or more, else 1). Returns the sample (a\n"
+             "tuple), or the value's view for the Python decoder (another form, or a check failed), None if\n"
+             "it is not stored, or the lookup's error code.");
+
+static PyObject *tree_sample(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    TreeObject *t = (TreeObject *)self;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "sample() takes exactly 3 arguments");
+        return NULL;
+    }
+    unsigned long long index = PyLong_AsUnsignedLongLong(args[0]);
+    if (index == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    int always = PyObject_IsTrue(args[1]);
+    if (always < 0) return NULL;
+    PyObject *verified = args[2];
+    if (verified != Py_None && !PyByteArray_Check(verified)) {
+        PyErr_SetString(PyExc_TypeError, "sample(): verified must be a bytearray or None");
+        return NULL;
+    }
+    uint64_t offset = 0, size = 0;
+    int rc = locate_index(&t->m, t->root, t->depth, &t->groups, index, t->pack, t->length, &offset, &size);
+    if (rc == LK_NOTFOUND) Py_RETURN_NONE;
+    if (rc != LK_OK) return PyLong_FromLong(rc);
+    int cold = t->advise_min && size >= t->advise_min && advise_if_cold(&t->m, offset, size);
+    const uint8_t *v = t->m.base + offset; /* [offset, offset + size) was checked against the map */
+    uint8_t *flag = NULL;
+    if (verified != Py_None && index < (uint64_t)PyByteArray_GET_SIZE(verified))
+        flag = (uint8_t *)PyByteArray_AS_STRING(verified) + index;
+    int verify = always || flag == NULL || !*flag;
+    PyObject *sample = flat_sample(v, size, index, verify, cold);
+    if (sample == NULL) {
+        PyErr_Clear(); /* a plan that does not parse is not planned: the Python decoder takes the value */
+        return PyMemoryView_FromMemory((char *)(uintptr_t)v, (Py_ssize_t)size, PyBUF_READ);
+    }
+    /* The flag is found again: the calls into numpy and torch ran Python code, which may have resized it. */
+    flag = verified != Py_None && index < (uint64_t)PyByteArray_GET_SIZE(verified)
+               ? (uint8_t *)PyByteArray_AS_STRING(verified) + index
+               : NULL;
+    if (verify && flag != NULL && !*flag) *flag = t->advise_min && size >= t->advise_min ? 2 : 1;
+    return sample;
+}
+
+PyDoc_STRVAR(py_decode_flat_doc,
+             "decode_flat(value, index, verify, /) -> tuple | None\n\n"
+             "The sample of a flat value (a bytes-like object) stored under ``index``, decoded as Tree.sample\n"
+             "decodes one from the map (the data checksum verified when ``verify``), or None: the Python\n"
+             "decoder takes it (another form, a signature not planned yet, or a check failed).");
+
+static PyObject *py_decode_flat(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "decode_flat() takes exactly 3 arguments");
+        return NULL;
+    }
+    unsigned long long index = PyLong_AsUnsignedLongLong(args[1]);
+    if (index == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    int verify = PyObject_IsTrue(args[2]);
+    if (verify < 0) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
+    /* The export keeps the bytes alive and in place while flat_sample runs Python code (numpy, torch). */
+    PyObject *sample = flat_sample((const uint8_t *)view.buf, (uint64_t)view.len, index, verify, 0);
+    PyBuffer_Release(&view);
+    if (sample == NULL) {
+        PyErr_Clear(); /* as in Tree.sample */
+        Py_RETURN_NONE;
+    }
+    return sample;
+}
+
+PyDoc_STRVAR(py_view_doc,
+             "view(address, size, /) -> memoryview\n\n"
+             "A read-only view of ``size`` bytes of this process's memory at ``address`` (the map: the caller\n"
+             "keeps it valid). It has no owner object, so its slices hash like bytes (decode's plan lookup).");
+
+static PyObject *py_view(PyObject *self, PyObject *args) {
+    unsigned long long address, size;
+    if (!PyArg_ParseTuple(args, "KK:view", &address, &size)) return NULL;
+    if (address == 0 || size > (unsigned long long)PY_SSIZE_T_MAX || address > UINTPTR_MAX - size) {
+        PyErr_SetString(PyExc_ValueError, "view: not a span of this process's memory");
+        return NULL;
+    }
+    return PyMemoryView_FromMemory((char *)(uintptr_t)address, (Py_ssize_t)size, PyBUF_READ);
+}
+
 static PyMethodDef tree_methods[] = {
     {"value", tree_value, METH_O, tree_value_doc},
+    {"sample", (PyCFunction)(void (*)(void))tree_sample, METH_FASTCALL, tree_sample_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -999,7 +1260,7 @@ static PyObject *py_mark_verified(PyObject *self, PyObject *args) {
  * The module. */
 
 /* Bumped whenever the Python side's expectations of this module change. */
-#define CORE_VERSION 2
+#define CORE_VERSION 3
 
 static PyMethodDef core_methods[] = {
     {"xxh3_64", (PyCFunction)(void (*)(void))py_xxh3_64, METH_FASTCALL, py_xxh3_64_doc},
@@ -1010,6 +1271,9 @@ static PyMethodDef core_methods[] = {
     {"fill", py_fill, METH_VARARGS, py_fill_doc},
     {"mark_verified", py_mark_verified, METH_VARARGS, py_mark_verified_doc},
     {"augment", py_augment, METH_VARARGS, py_augment_doc},
+    {"set_plans", py_set_plans, METH_O, py_set_plans_doc},
+    {"decode_flat", (PyCFunction)(void (*)(void))py_decode_flat, METH_FASTCALL, py_decode_flat_doc},
+    {"view", py_view, METH_VARARGS, py_view_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1027,6 +1291,10 @@ PyMODINIT_FUNC PyInit__core(void) {
 #ifdef HAVE_ADVICE
     os_page = sysconf(_SC_PAGESIZE);
 #endif
+    if (str_view == NULL && (str_view = PyUnicode_InternFromString("view")) == NULL) {
+        Py_DECREF(m);
+        return NULL;
+    }
     if (PyType_Ready(&TreeType) < 0 || PyModule_AddObjectRef(m, "Tree", (PyObject *)&TreeType) < 0) {
         Py_DECREF(m);
         return NULL;

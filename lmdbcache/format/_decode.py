@@ -190,6 +190,10 @@ _Plan: TypeAlias = """tuple[
     tuple[np.dtype, Shape, torch.dtype | None] | None,
 ]"""
 _PLANS: dict[bytes | memoryview, _Plan] = {}  # looked up by memoryview slices, which hash like bytes
+# The same plans as the compiled core reads them (``core.Tree.sample``, handed this dict by the store's native
+# path): (structure size, value size, scalars' offset, scalar codes as bytes (q, d, ?), tensor specs, the full
+# item order, numpy.ndarray, torch.from_numpy or None when it holds no tensor).
+NATIVE_PLANS: dict[bytes, tuple[Any, ...]] = {}
 
 
 def flat_plan(key: bytes) -> _Plan:
@@ -236,7 +240,19 @@ def _plan(key: bytes) -> _Plan:
         None if tensors_first else tuple(order),
         tensors[0][1:] if tensors_first and len(tensors) == 1 else None,
     )
+    from_numpy = _torch_from_numpy() if tensors else None  # a tensor spec has imported torch already
+    native = (struct_size, value_size, plan[1], codes[1:].encode(), plan[4], tuple(order), _ndarray, from_numpy)
+    remember(NATIVE_PLANS, key, native)  # the compiled core's form of it
     return remember(_PLANS, key, plan)
+
+
+def _torch_from_numpy() -> Callable[[np.ndarray], torch.Tensor]:
+    """torch.from_numpy (a plan holding a tensor has imported torch already), bound for the hot path too."""
+    global _from_numpy
+    import torch
+
+    _from_numpy = torch.from_numpy
+    return _from_numpy
 
 
 # ----------------------------------------------------------------------------------------

@@ -17,7 +17,9 @@ is LMDB 0.9's ``MDB_node`` (mdb.c), fixed since 2011: 8 bytes right before the k
     an overflow page's data starts after its 16-byte page header.
 
 The mapping's address comes from /proc/self/maps (refreshed when the map moves: a growth or an
-adopted resize). Where that is unavailable (not Linux) or the layout differs (a big-endian machine,
+adopted resize; never per read, on either path: the compiled core's reads take the address, length
+and view ``mapping`` keeps, and only a failed lookup asks for a refresh).
+Where that is unavailable (not Linux) or the layout differs (a big-endian machine,
 or a py-lmdb built with an LMDB other than 0.9: ``layout_known``, which says so once with an
 ``LmdbCacheWarning``) the check is skipped, never guessed: reads of a damaged file may then crash.
 
@@ -41,9 +43,13 @@ from typing import Any
 
 import lmdb
 
+from .. import _native
 from ..errors import LmdbCacheWarning
 from ._address import address as _address
-from ._address import view as _view
+from ._address import view as _ctypes_view
+
+# The map's view: the compiled core's own (no ctypes), else _address's (ctypes.pythonapi: see what breaks it there)
+_view = _native.core.view if _native.core is not None else _ctypes_view
 
 __all__ = ["MapGuard", "layout_known"]
 

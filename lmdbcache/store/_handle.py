@@ -62,6 +62,8 @@ class Handle:
         self._meta_raw: bytes = b""  # the metadata record as adopted: a rebuild changes it
         # Why this process may no longer use the build it adopted (set when a rebuild is seen).
         self._stale: str | None = None
+        # (environment, txnid) of the last snapshot whose build was checked: a miss begins a transaction each.
+        self._build_seen: tuple[lmdb.Environment, int] | None = None
         self._locked = True  # False on a read-only mount opened without LMDB's lock table
         self._last_reader_check = 0.0
         self._guard: MapGuard | None = None
@@ -176,6 +178,7 @@ class Handle:
         if changed:  # else keep the same object: datasets compare by identity
             self.build = meta["cache_id"]
         self._meta, self._meta_raw, self._stale = meta, raw, None
+        self._build_seen = None
         self._pack, self._length = meta.get("pack", 0), meta["length"]
         self._adopted(changed)  # the reader's flags and native tree were the last build's
 
@@ -259,8 +262,11 @@ class Handle:
         if self._stale is not None:
             raise CacheMismatchError(self._stale)
         txn = self._begin(env, db=db)
+        if self._build_seen is not None and self._build_seen[0] is env and self._build_seen[1] == txn.id():
+            return txn  # the snapshot checked last time (no commit since: the same metadata record)
         try:
             self._check_build(txn)
+            self._build_seen = (env, txn.id())
         except lmdb.Error as exc:
             txn.abort()
             raise translate(exc, self.path, "reading") from exc

@@ -1,10 +1,14 @@
 """The read paths on the compiled core (``lmdbcache._native``): single reads located in one call each, a batch
 located in one call and copied in one per slice.
 
-``Reader.get`` and ``get_many`` locate each value in one call (``core.Tree.value``: the value's
-view in the map) in the samples tree of the kept read transaction, found once per transaction
-(``native_tree``: ``open_tree`` on its meta page, kept as ``_tree`` until the transaction ends), and
-hand it to ``decode`` as the Python path hands its views.
+``Reader.get`` and ``get_many`` read each value in one call (``core.Tree.sample``) in the samples tree
+of the kept read transaction, found once per transaction (``native_tree``: ``open_tree`` on its meta page,
+kept as ``_tree`` until the transaction ends). A flat value whose signature the decoder planned before
+(``_decode.NATIVE_PLANS``) comes back decoded: header, structure checksum and lengths checked, the data
+checksum on a first read (or every read: ``always``), the tensors copied out of the map into new
+buffers, the index marked verified. Anything else (another form, a first sight of a signature, any
+check that fails) comes back as the value's view, handed to ``decode`` as the Python path hands its
+views: so the two paths raise the same errors, worded by the same code.
 
 ``Reader.read_batch`` asks here first when the core is built: ``native_spans`` locates every
 value of the batch in the read transaction's snapshot (the core walks LMDB's pages itself, every
@@ -25,15 +29,30 @@ from .. import _native
 from .._native.batch import Spans
 from ..errors import CorruptCacheError, CorruptSampleError, LmdbCacheError
 from ..format import _pack
+from ..format._decode import NATIVE_PLANS
+from ..format._decode import decode as _decode
 from ._groups import deref
 from ._guard import PREFETCH_MIN
 from ._handle import Handle
 from ._lmdb_errors import REBUILD
 
-__all__ = ["MISSING", "copy_native", "native_lookup", "native_spans", "native_tree"]
+__all__ = ["MISSING", "copy_native", "decode_new", "native_lookup", "native_spans", "native_tree"]
 
 _index_key = struct.Struct(">Q").pack  # an index's key
 MISSING: Any = type("Missing", (), {"__repr__": lambda self: "MISSING"})()
+if _native.core is not None:
+    _native.core.set_plans(NATIVE_PLANS)  # the flat plans Tree.sample decodes with (the decoder fills them)
+_decode_flat = _native.core.decode_flat if _native.core is not None else None
+
+
+def decode_new(value: bytes, index: int) -> Any:
+    """The sample of ``value``, just encoded for ``index`` by this process (a miss): no data checksum.
+
+    A flat value is decoded by the core (``core.decode_flat``) when its signature is planned, else by ``decode``.
+    """
+    if _decode_flat is not None and (sample := _decode_flat(value, index, False)) is not None:
+        return sample
+    return _decode(value, index, verify_data=False)
 
 
 class Hits(Protocol):
@@ -42,6 +61,7 @@ class Hits(Protocol):
     _h: Handle
     _verified: bytearray | None
     _tree: tuple[Any, ...] | None
+    _last_tree: tuple[tuple[Any, ...], tuple[Any, ...]] | None
 
     def _drop_reader(self) -> None: ...
 
@@ -109,10 +129,15 @@ def native_tree(r: Hits, txn: lmdb.Transaction) -> tuple[Any, ...]:
     (``_drop_reader`` forgets it); ``txn`` in it is a new transaction when the snapshot's meta page was
     reused before the core could read it (the caller then reads in that one: a fresh snapshot). ``view``
     None: the Python path reads in this transaction (no map address known here, no samples database in
-    the snapshot, or its meta page kept being reused). ``value(index)`` (``core.Tree.value``) is a single
-    read: a view of the value in the map, None if it is not stored, or an error code. A broken main
-    database is looked at again after the guard finds the map and the file's size again, then raised as
-    damage, worded as the guard's.
+    the snapshot, or its meta page kept being reused). ``value(index, always, verified)`` (``core.Tree.sample``)
+    is a single read: the decoded sample (a tuple: a flat value whose plan is known, its checks passed and
+    its index marked verified), else a view of the value in the map for ``decode``, None if it is not
+    stored, or an error code. A broken main database is looked at again after the guard finds the map and
+    the file's size again, then raised as damage, worded as the guard's.
+
+    A new transaction on the snapshot of the last tree found (the same txnid, map view, packing and
+    length: no commit since, as between the misses of a fill, where every miss begins a transaction)
+    reuses that tree: the snapshot's pages are held by the new reader as they were by the old one.
     """
     tree = r._tree
     if tree is not None and tree[0] is txn:
@@ -124,10 +149,17 @@ def native_tree(r: Hits, txn: lmdb.Transaction) -> tuple[Any, ...]:
         base, length, view = guard.mapping() if guard is not None else (0, 0, None)
         if not base or guard is None:
             break
-        code, root, depth = core.open_tree(base, length, guard.page_size, txn.id(), b"samples")
+        # The map's view by identity (a new one whenever the guard finds the map again; == would compare bytes)
+        snapshot = (txn.id(), id(view), r._h._pack, r._h._length)
+        last = r._last_tree
+        if last is not None and last[0] == snapshot and last[1][0] is view:  # no commit since (as in a fill)
+            r._tree = tree = (txn, *last[1])
+            return tree
+        code, root, depth = core.open_tree(base, length, guard.page_size, snapshot[0], b"samples")
         if code == _native.OK:
-            value = core.Tree(base, length, guard.page_size, root, depth, r._h._pack, r._h._length, PREFETCH_MIN).value
+            value = core.Tree(base, length, guard.page_size, root, depth, r._h._pack, r._h._length, PREFETCH_MIN).sample
             r._tree = tree = (txn, view, base, length, guard.page_size, root, depth, value)
+            r._last_tree = (snapshot, tree[1:])
             return tree
         if code == _native.RETRY:
             r._drop_reader()
@@ -166,7 +198,7 @@ def native_lookup(r: Hits, tree: tuple[Any, ...], index: int, code: int = -1) ->
             fresh_base, length, fresh_view = r._h._guard.mapping()
             if fresh_base:
                 base, view = fresh_base, fresh_view
-                value = core.Tree(base, length, psize, root, depth, pack, n, PREFETCH_MIN).value
+                value = core.Tree(base, length, psize, root, depth, pack, n, PREFETCH_MIN).sample
                 r._tree = (txn, view, base, length, psize, root, depth, value)
     raise _damage(r, code, index, r._tree)
 

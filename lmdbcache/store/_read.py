@@ -11,10 +11,11 @@ value (``_guard.PREFETCH_MIN`` bytes or more; flag byte 2 once verified) is look
 cursor and announced to the kernel before it is touched, so it is read in one I/O rather than
 a page fault per 4 KiB (issue #14). Warm, the advice would cost a 147 KiB read half its speed
 (a syscall walking 37 cached pages), so after ``_COLD_RUN`` fast reads it stops again.
-With the compiled core (``lmdbcache._native``; ``_native_read``), a hit is located in one C call
-instead (``core.Tree.value`` in the samples tree the core found once per kept transaction, packs
-included, every page and span checked against the map on every read) and decoded from a slice of
-the guard's view of the map; everything else above (flags, checksums, misses, errors) is the same.
+With the compiled core (``lmdbcache._native``; ``_native_read``), a hit is read in one C call
+instead (``core.Tree.sample`` in the samples tree the core found once per kept transaction, packs
+included, every page and span checked against the map on every read): a flat value comes back
+decoded and checked as above, any other a view for ``decode``; everything else above (flags,
+checksums, misses, errors) is the same.
 A miss is looked up again in a fresh snapshot (unless the read already began one: a miss
 costs one read transaction) and in this process's commit queue before it is reported ``MISSING``.
 
@@ -24,10 +25,9 @@ before that, on the first read of the index) and the value is a slice of the pac
 a single record is. Scans merge packs and singles in index order, and report an index stored
 in both (a hostile file).
 
-Groups (``_group``, format 4): a stored value that is a pointer is followed into its group
-(``_groups.deref``: the group's record bounds-checked, the pointer's span checked against it, the
-groups of the kept read transaction remembered like its packs); the value is a slice of the group,
-decoded as a single record is. A pointer that lies is the index's ``CorruptSampleError``.
+Groups (``_group``, format 4): a pointer is followed into its group (``_groups.deref``: the group's
+record bounds-checked, the span checked against it, the kept transaction's groups remembered); the
+value is a slice of the group, decoded as a single record is; a pointer that lies is a ``CorruptSampleError``.
 """
 
 from __future__ import annotations
@@ -96,6 +96,8 @@ class Reader:
         self._groups: dict[int, Any] = {}
         # Its samples tree as the compiled core reads it (_native_read.native_tree), found once per transaction.
         self._tree: tuple[Any, ...] | None = None
+        # ((txnid, map view id, pack, length), the rest of that tree): reused by a later transaction on its snapshot.
+        self._last_tree: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
         # Byte i set: this process has verified index i's data checksum (checksum="once"). A byte
         # rather than a bit per index: N bytes per process is small, and the test is cheaper.
         self._verified: bytearray | None = None
@@ -143,16 +145,13 @@ class Reader:
                     tree = native_tree(self, txn)
                     fresh = fresh or tree[0] is not txn  # a new snapshot: a miss in it needs no second look
                 if (value := tree[7]) is not None:
-                    if type(raw := value(index)) is not memoryview:
+                    if type(raw := value(index, always, verified)) is tuple:
+                        return raw  # decoded and checked in the core (_native_read)
+                    if type(raw) is not memoryview:
                         raw = None if raw is None else native_lookup(self, tree, index, raw)
                     if raw is None:
                         return self._queued(index, always) if fresh else self._get_fresh([index], always)[0]
-                    if verified is not None and index < len(verified) and verified[index]:
-                        try:
-                            return _decode(raw, index, verify_data=always)
-                        except CorruptSampleError as exc:
-                            raise self._corrupt(index, exc) from None
-                    return self._decode(raw, index, always)  # the data checksum, then the index marked
+                    return self._decode(raw, index, always)  # not flat (the core decoded those): checks, mark
                 txn = self._reader()  # the kept one: native_tree may have begun another
             if verified is not None and index < len(verified) and (mark := verified[index]):
                 try:
@@ -350,7 +349,10 @@ class Reader:
             out = []
             for index in indices:
                 if tree is not None:
-                    if type(raw := tree[7](index)) is not memoryview and raw is not None:
+                    if type(raw := tree[7](index, always, verified)) is tuple:
+                        out.append(raw)  # decoded and checked in the core (_native_read)
+                        continue
+                    if type(raw) is not memoryview and raw is not None:
                         raw = native_lookup(self, tree, index, raw)
                         tree = self._tree or tree  # a failed lookup may have found the map again
                 else:
