@@ -41,6 +41,31 @@ def _child(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _grow_big_lengths(path: Any, needle: bytes) -> int:
+    """In ``path``'s data.mdb, grow the length of every big-data node whose key is ``needle`` (its length's high
+    half, stale copies in free pages too) so its record runs past the file; returns how many were changed."""
+    data = bytearray((path / "data.mdb").read_bytes())
+    at, found = data.find(needle), 0
+    while at >= 0:
+        if data[at - 4] & 0x01:  # F_BIGDATA: this is the node's key, its header before it
+            data[at - 6] ^= 0x20
+            found += 1
+        at = data.find(needle, at + 1)
+    (path / "data.mdb").write_bytes(bytes(data))
+    return found
+
+
+def _script(code: str, path: Any, *flags: str) -> subprocess.CompletedProcess[str]:
+    """``code`` run in a new interpreter on this checkout, with ``path`` as its argument."""
+    return subprocess.run(
+        [sys.executable, *flags, "-c", code, str(path)],
+        env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def test_forced_pure_python() -> None:
     """LMDBCACHE_PURE_PYTHON=1 gives no core and no warning."""
     out = _child(
@@ -215,21 +240,8 @@ def test_a_record_past_the_file_is_refused_both_ways(tmp_path: Any) -> None:
     ds = CachedDataset(Listed([(_tensor(i, "uint8", (3, 64, 64)), i) for i in range(24)]), str(path), commit_every=1)
     ds.__getitems__(list(range(24)))
     ds.close()
-    data = bytearray((path / "data.mdb").read_bytes())
-    needle = struct.pack(">Q", 5)
-    at = data.find(needle)
-    while at >= 0:  # every node of index 5 (stale copies in free pages too): its length's high half grows
-        if data[at - 4] & 0x01:  # F_BIGDATA: this is the node's key, its header before it
-            data[at - 6] ^= 0x20
-        at = data.find(needle, at + 1)
-    (path / "data.mdb").write_bytes(bytes(data))
-    out = subprocess.run(
-        [sys.executable, "-c", _RECORD_CHILD, str(path)],
-        env={**os.environ, "PYTHONPATH": ROOT},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    assert _grow_big_lengths(path, struct.pack(">Q", 5))  # every node of index 5
+    out = _script(_RECORD_CHILD, path)
     assert out.returncode == 0, out.stderr[-3000:]
     native, python = out.stdout.splitlines()[-2:]
     assert native.startswith("CorruptCacheError") and python.startswith("CorruptCacheError"), out.stdout
@@ -372,13 +384,7 @@ def test_fork_after_the_core_read_batches(tmp_path: Any) -> None:
     ds = CachedDataset(Synthetic(64), str(path))
     ds.__getitems__(list(range(64)))
     ds.close()
-    out = subprocess.run(
-        [sys.executable, "-W", "ignore::DeprecationWarning", "-c", _FORK_CHILD, str(path)],
-        env={**os.environ, "PYTHONPATH": ROOT},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = _script(_FORK_CHILD, path, "-W", "ignore::DeprecationWarning")
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert "child status 0" in out.stdout, out.stdout
 
@@ -833,21 +839,8 @@ def test_a_record_past_the_file_is_refused_by_single_reads_both_ways(tmp_path: A
     ds = CachedDataset(Listed([(_tensor(i, "uint8", (3, 64, 64)), i) for i in range(24)]), str(path), commit_every=1)
     ds.__getitems__(list(range(24)))
     ds.close()
-    data = bytearray((path / "data.mdb").read_bytes())
-    needle = struct.pack(">Q", 5)
-    at = data.find(needle)
-    while at >= 0:
-        if data[at - 4] & 0x01:  # F_BIGDATA: its length's high half grows
-            data[at - 6] ^= 0x20
-        at = data.find(needle, at + 1)
-    (path / "data.mdb").write_bytes(bytes(data))
-    out = subprocess.run(
-        [sys.executable, "-c", _SINGLE_RECORD_CHILD, str(path)],
-        env={**os.environ, "PYTHONPATH": ROOT},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    assert _grow_big_lengths(path, struct.pack(">Q", 5))
+    out = _script(_SINGLE_RECORD_CHILD, path)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()[-4:]
     assert all(line.startswith("CorruptCacheError") and "index 5" in line for line in lines), lines
@@ -861,23 +854,8 @@ def test_a_group_record_past_the_file_is_refused_both_ways(tmp_path: Any) -> Non
     ds = CachedDataset(Listed([(_tensor(i, "uint8", (3, 32, 32)), i) for i in range(24)]), str(path))
     ds.__getitems__(list(range(24)))
     ds.close()
-    data = bytearray((path / "data.mdb").read_bytes())
-    needle = b"\xffG" + bytes(8)  # group 0's key
-    at, found = data.find(needle), 0
-    while at >= 0:
-        if data[at - 4] & 0x01:  # F_BIGDATA: its length's high half grows
-            data[at - 6] ^= 0x20
-            found += 1
-        at = data.find(needle, at + 1)
-    assert found
-    (path / "data.mdb").write_bytes(bytes(data))
-    out = subprocess.run(
-        [sys.executable, "-c", _SINGLE_RECORD_CHILD, str(path)],
-        env={**os.environ, "PYTHONPATH": ROOT},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    assert _grow_big_lengths(path, b"\xffG" + bytes(8))  # group 0's key
+    out = _script(_SINGLE_RECORD_CHILD, path)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()[-4:]  # ds[5], then __getitems__([4, 5]) (its first index named), twice
     assert all(line.startswith("CorruptCacheError") for line in lines), lines
@@ -1008,13 +986,7 @@ def test_fork_after_the_core_found_a_tree(tmp_path: Any) -> None:
     ds = CachedDataset(Synthetic(64), str(path), pack=8)
     ds.__getitems__(list(range(64)))
     ds.close()
-    out = subprocess.run(
-        [sys.executable, "-W", "ignore::DeprecationWarning", "-c", _FORK_SINGLES_CHILD, str(path)],
-        env={**os.environ, "PYTHONPATH": ROOT},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = _script(_FORK_SINGLES_CHILD, path, "-W", "ignore::DeprecationWarning")
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert "child status 0" in out.stdout, out.stdout
 
