@@ -21,6 +21,7 @@ from ._lmdb_errors import REBUILD
 __all__ = ["deref", "group_view"]
 
 _MAGIC = _group.MAGIC
+_pointer_of = _group.pointer_of
 _SIZE = _group.POINTER_SIZE
 _GROUPS_KEPT = 1 << 16  # groups remembered per kept read transaction (a view each)
 
@@ -52,7 +53,14 @@ def deref(h: Any, txn: lmdb.Transaction, raw: Any, index: int, kept: dict[int, A
     """
     if raw is None or len(raw) != _SIZE or raw[:4] != _MAGIC:
         return raw
-    group, offset, length = _group.target(raw)
+    _, group, offset, length = _pointer_of(raw)
+    if (
+        kept is not None
+        and (whole := kept.get(group)) is not None
+        and not offset % 8
+        and 0 < length <= len(whole) - offset
+    ):
+        return whole[offset : offset + length]  # the warm case: a group this transaction found, a span inside it
     whole = group_view(h, txn, group, kept)
     if isinstance(whole, str):  # the file itself is damaged (as a single record past its end): not one index's
         raise CorruptCacheError(
