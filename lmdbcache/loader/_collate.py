@@ -24,15 +24,19 @@ and every batch takes the default_collate path: slower, never different.
 
 from __future__ import annotations
 
+import mmap
+import os
 import sys
+from multiprocessing.reduction import DupFd
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
 from ..dataset import register_batch_hook
 from ..store._store import MISSING
-from ._gather import Buffers, Layout, layout_of
+from ._gather import Buffers, Layout, Segment, layout_of
 
 if TYPE_CHECKING:
     from ..store._store import Store
@@ -43,35 +47,37 @@ __all__ = ["Collated", "collate", "gather_shared", "wants_batch"]
 class Collated(list):  # type: ignore[type-arg]
     """A batch already collated by ``CachedDataset.__getitems__``: default_collate's list of field tensors.
 
-    Every field is a view of one shared-memory segment. Pickled (a worker sending it to the
-    main process), it travels as that one segment plus each field's dtype, shape, stride and
-    offset, and is rebuilt as a plain list: one file descriptor per batch, where torch's
-    pickler sends one per tensor (each is a connection to the worker's resource sharer).
+    Every field lies in one shared-memory segment (``_gather.Segment``). Pickled (a worker sending it
+    to the main process), it travels as a duplicate of the segment's file descriptor plus each field's
+    dtype, shape, stride and byte offset, and is rebuilt as a plain list of views of the segment mapped
+    there: one file descriptor per batch, where torch's pickler sends one per tensor (each is a
+    connection to the worker's resource sharer). Without a segment it pickles as the plain list.
     """
 
     __slots__ = ("fields", "segment")
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, tensors: list[torch.Tensor], segment: Segment | None = None) -> None:
         super().__init__(tensors)
-        storage = tensors[0].untyped_storage()
-        base = storage.data_ptr()
-        self.segment: torch.Tensor | None = None
-        self.fields = [(t.dtype, tuple(t.shape), t.stride(), t.storage_offset()) for t in tensors]
-        if all(t.untyped_storage().data_ptr() == base for t in tensors):
-            self.segment = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))  # type: ignore[call-overload]
+        self.segment = segment
+        if segment is not None:
+            self.fields = [(t.dtype, tuple(t.shape), t.stride(), t.data_ptr() - segment.address) for t in tensors]
 
     def __reduce__(self) -> Any:
         if self.segment is None:
             return (list, (list(self),))
-        return (_rebuild, (self.segment, self.fields))
+        return (_rebuild, (DupFd(self.segment.fd), self.segment.size, self.fields))
 
 
-def _rebuild(
-    segment: torch.Tensor, fields: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]]
-) -> list[Any]:
-    """The plain list of field tensors a ``Collated`` stood for, as views of its unpickled segment."""
-    storage = segment.untyped_storage()
-    return [torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride) for dtype, shape, stride, offset in fields]
+def _rebuild(fd: Any, size: int, fields: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]]) -> list[Any]:
+    """The plain list of field tensors a ``Collated`` stood for, as views of its segment mapped here."""
+    fd = fd.detach()
+    try:
+        segment = mmap.mmap(fd, max(size, 1))
+    finally:
+        os.close(fd)
+    storage = torch.from_numpy(np.frombuffer(segment, np.uint8)).untyped_storage()
+    return [torch.empty(0, dtype=dtype).set_(storage, at // dtype.itemsize, shape, stride)
+            for dtype, shape, stride, at in fields]  # fmt: skip
 
 
 def collate(batch: Any) -> Any:
@@ -113,10 +119,10 @@ def gather_shared(store: Store, indices: list[int], always: bool, build: str | N
         buffers = Buffers(layout, len(views), "shared")
         if not buffers.fill(views, checks, indices, 0, len(views)):
             return None
-        return buffers.batch(len(views))
+        return Collated(buffers.batch(len(views)), buffers.segment)
 
     batch = store.read_batch(indices, always, build, copy)
-    return None if batch is MISSING or batch is None else Collated(batch)
+    return None if batch is MISSING else batch
 
 
 register_batch_hook(wants_batch, gather_shared)

@@ -18,6 +18,8 @@ The codec pieces used here (and only here): ``_format.MAGIC`` and the header lay
 from __future__ import annotations
 
 import ctypes
+import mmap
+import os
 import struct
 import sys
 from typing import Any
@@ -38,11 +40,6 @@ _xxh3 = xxhash.xxh3_64_intdigest
 _memmove = ctypes.memmove  # a ctypes call releases the GIL: large copies run in parallel
 _BIG = 64 << 10  # bytes from which a copy goes through memmove (below, a memoryview copy is cheaper)
 _FLAT = 0xC1
-# How many tensors and views share a storage: a private torch function (the one exception to the
-# STYLE's rule, because nothing public counts views). A torch without it must not break
-# `import lmdbcache`: then no slot is ever judged unused, and every batch gets new buffers
-# (correct, only without the reuse). tests/test_collate.py removes it to check that path.
-_use_count: Any = getattr(torch._C, "_storage_Use_Count", None)
 _SCALAR_DTYPES: dict[str, np.dtype[Any]] = {"q": np.dtype("<i8"), "d": np.dtype("<f8"), "?": np.dtype("u1")}
 _COLUMN_DTYPES: dict[str, np.dtype[Any]] = {"q": np.dtype("=i8"), "d": np.dtype("=f8"), "?": np.dtype("bool")}
 
@@ -91,96 +88,103 @@ class Layout:
         return Buffers(self, rows, memory)
 
 
-def _shared_storage(nbytes: int) -> torch.UntypedStorage:
-    """``nbytes`` of uninitialized shared memory: torch's private ``_new_shared`` (allocated there
-    at once), else the public ``share_memory_()`` (allocated privately, then moved: one copy more)."""
-    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
-    if new_shared is not None:
-        return new_shared(nbytes)  # type: ignore[no-any-return]
-    return torch.UntypedStorage(nbytes).share_memory_()  # type: ignore[no-untyped-call,no-any-return]
-
-
-def _empty(shape: tuple[int, ...], dtype: np.dtype[Any], memory: str) -> torch.Tensor:
-    """An uninitialized tensor in ``memory``: "plain", "shared" (a shared-memory segment) or "pinned"."""
+def _array(shape: tuple[int, ...], dtype: np.dtype[Any], memory: str) -> np.ndarray:
+    """An uninitialized array in ``memory``: "plain", or "pinned" (torch's page-locked host memory)."""
     if memory == "plain":
-        return torch.from_numpy(np.empty(shape, dtype))
+        return np.empty(shape, dtype)
     torch_dtype = torch.from_numpy(np.empty(0, dtype)).dtype
-    if memory == "pinned":
-        return torch.empty(shape, dtype=torch_dtype, pin_memory=True)
-    # Allocated shared from the start (share_memory_() would copy a private buffer into a new segment):
-    # a DataLoader worker then pickles a handle to it, not its bytes.
-    storage = _shared_storage(int(np.prod(shape)) * dtype.itemsize)
-    out: torch.Tensor = torch.empty(0, dtype=torch_dtype).set_(storage, 0, shape)  # type: ignore[call-overload]
-    return out
+    # The array holds the pinned tensor (its .base): the memory lives while the slot or a batch of it does.
+    return torch.empty(shape, dtype=torch_dtype, pin_memory=True).numpy()
 
 
-def _one_segment(specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[torch.Tensor]:
-    """Uninitialized tensors of these shapes and dtypes, laid out 64-byte aligned in one shared-memory segment."""
+class Segment:
+    """One shared-memory segment (a memfd) mapped here, for a batch a DataLoader worker sends whole.
+
+    The file descriptor stays open while this object lives, so ``Collated`` can send a duplicate of it
+    (``multiprocessing.reduction.DupFd``, as torch's own file-descriptor sharing does); the mapping lives
+    while any array, tensor or view of it does, here or in the process that mapped the descriptor it got.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.fd = os.memfd_create("lmdbcache-batch", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, max(size, 1))
+            self.map = mmap.mmap(self.fd, max(size, 1))
+            self.address = np.frombuffer(self.map, np.uint8, 1).__array_interface__["data"][0]
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def __del__(self) -> None:
+        os.close(self.fd)
+
+
+def _in_segment(specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> tuple[Segment | None, list[np.ndarray]]:
+    """Uninitialized arrays of these shapes and dtypes, 64-byte aligned in one shared-memory segment.
+
+    Without ``os.memfd_create`` (not Linux): plain arrays and no segment; torch's pickler then copies
+    each field into its own shared memory when a worker sends the batch (one copy more).
+    """
+    if not hasattr(os, "memfd_create"):
+        return None, [np.empty(shape, dtype) for shape, dtype in specs]
     offsets, end = [], 0
     for shape, dtype in specs:
         offsets.append(end)
         end += -(-int(np.prod(shape)) * dtype.itemsize // 64) * 64
-    storage = _shared_storage(end)
-    out = []
-    for (shape, dtype), offset in zip(specs, offsets):
-        torch_dtype = torch.from_numpy(np.empty(0, dtype)).dtype
-        out.append(torch.empty(0, dtype=torch_dtype).set_(storage, offset // dtype.itemsize, shape))  # type: ignore[call-overload]
-    return out
+    segment = Segment(end)
+    arrays = [np.frombuffer(segment.map, dtype, int(np.prod(shape)), offset).reshape(shape)
+              for (shape, dtype), offset in zip(specs, offsets)]  # fmt: skip
+    return segment, arrays
 
 
 class Buffers:
-    """One ring slot: a batch tensor per tensor field, one per scalar field, and a staging array for the scalars.
+    """One ring slot: an array per tensor field, one per scalar field, and a staging array for the scalars.
 
-    ``memory`` is where the batch tensors live: "plain", "shared" or "pinned" (see ``_empty``).
+    ``memory`` is where the batch lives: "plain", "shared" (one shared-memory segment, see ``Segment``)
+    or "pinned" (see ``_array``).
+
+    Reuse. The slot owns numpy arrays, never a tensor: every batch hands out tensors made by
+    ``torch.from_numpy`` on them, and each such tensor's storage holds a reference to its array (or to
+    a slice of it, whose ``.base`` is the array) until the last tensor, view, numpy array or storage
+    object of it dies. So the arrays' reference counts are back at their values at allocation exactly
+    when nothing handed out from the slot is alive: public behaviour of ``torch.from_numpy`` and
+    CPython, no private torch function. A batch moved to other memory (``share_memory_()``, as a
+    torch.multiprocessing Queue does) lets go of the array too: the slot may then be reused, and the
+    moved batch, in its new memory, does not change.
     """
 
     def __init__(self, layout: Layout, rows: int, memory: str = "plain") -> None:
         self.layout, self.rows = layout, rows
         specs = [((rows, *shape), carrier) for _, _, carrier, shape, _ in layout.tensors]
         specs += [((rows,), _COLUMN_DTYPES[code]) for _, code in layout.scalars]
-        # "shared": one segment per batch, so a DataLoader worker sends one handle for it (lmdbcache.loader._collate).
-        shared = memory == "shared"
-        fields = _one_segment(specs) if shared else [_empty(shape, dtype, memory) for shape, dtype in specs]
-        self.tensors, self.columns = fields[: len(layout.tensors)], fields[len(layout.tensors) :]
-        self.flat = [memoryview(t.numpy()).cast("B") for t in self.tensors]  # type: ignore[arg-type]
-        self.addresses = [t.data_ptr() for t in self.tensors]
+        self.segment: Segment | None = None
+        if memory == "shared":  # one segment per batch: a DataLoader worker sends one handle (loader._collate)
+            self.segment, arrays = _in_segment(specs)
+        else:
+            arrays = [_array(shape, dtype, memory) for shape, dtype in specs]
+        self.arrays, self.column_arrays = arrays[: len(layout.tensors)], arrays[len(layout.tensors) :]
+        self.flat = [memoryview(a).cast("B") for a in self.arrays]  # type: ignore[arg-type]
+        self.addresses = [a.__array_interface__["data"][0] for a in self.arrays]
         self.scalars = np.zeros((rows, layout.scalar_size), np.uint8)
         # No scalar field (a 1-tuple of a tensor): numpy's (rows, 0) array cannot be cast to bytes; nothing is copied
         self.scalar_view = memoryview(self.scalars).cast("B") if layout.scalar_size else memoryview(bytearray())  # type: ignore[arg-type]
-        # The scalar columns' batch tensors live in the slot too: no tensor is allocated per batch.
-        self.column_arrays = [c.numpy() for c in self.columns]
         self.busy = False
         self.event: Any = None  # set by the loader: the slot is reused only once event.query() is True
-        # What "no longer referenced" is measured against. Three counts, because each misses a
-        # way of keeping a batch: the storage's use count sees tensors and views (and numpy
-        # arrays of them); the Python storage object's refcount sees `batch.untyped_storage()`
-        # and `batch.storage()` kept alone (torch hands out one cached object per storage);
-        # the data pointer sees `share_memory_()` (a torch.multiprocessing Queue does it),
-        # which moves the storage and frees the memory our copy addresses point into.
-        self._storages = [t.untyped_storage() for t in self.tensors + self.columns]
-        self._pointers = [storage.data_ptr() for storage in self._storages]
+        del arrays  # a local reference counted into the base would make a handed-out batch look unused
         self._base = self._counts()
 
-    def _counts(self) -> list[tuple[int, int]] | None:
-        """Each storage's (use count, refcount), taken the same way every time (a zip or enumerate
-        in between would hold one more reference in its reused result tuple); None without the use count."""
-        if _use_count is None:
-            return None
-        storages, counts = self._storages, []
-        for k in range(len(storages)):
-            counts.append((int(_use_count(storages[k]._cdata)), sys.getrefcount(storages[k])))
+    def _counts(self) -> list[int]:
+        """Each array's reference count, taken the same way every time (no zip or enumerate in between:
+        its reused result tuple would hold one more reference)."""
+        arrays, counts = self.arrays + self.column_arrays, []
+        for k in range(len(arrays)):
+            counts.append(sys.getrefcount(arrays[k]))
         return counts
 
-    def moved(self) -> bool:
-        """True when a batch of this slot was moved to other memory (``share_memory_``): never reuse it."""
-        return any(st.data_ptr() != ptr for st, ptr in zip(self._storages, self._pointers))
-
     def unused(self) -> bool:
-        """True when no tensor, view or storage handed out from this slot is alive anywhere, and it did not move.
-
-        Always False without torch's use count (see ``_use_count``): a slot is then never reused.
-        """
-        return not self.busy and self._base is not None and self._counts() == self._base and not self.moved()
+        """True when no tensor, view, numpy array or storage handed out from this slot is alive anywhere."""
+        return not self.busy and self._counts() == self._base
 
     def free(self) -> bool:
         """Unused, and the consumer's device copies of its last batch (``event``) are done."""
@@ -232,22 +236,22 @@ class Buffers:
     def batch(self, rows: int) -> list[torch.Tensor]:
         """The batch as ``default_collate`` returns a tuple sample: a list, one tensor per item in order.
 
-        Every field is a new view of this slot's tensors (each alive view counts against
-        ``free``); the scalar columns are converted from the staging rows into theirs here.
+        Every field is a new tensor on this slot's arrays (alive, it keeps the slot from reuse: see
+        the class docstring); the scalar columns are converted from the staging rows into theirs here.
         """
         layout = self.layout
         tensors = []
-        for t, (_, _, _, _, view) in zip(self.tensors, layout.tensors):
-            part = t if rows == self.rows else t[:rows]
-            tensors.append(part.view(view) if view is not None else part.view(part.shape))
+        for a, (_, _, _, _, view) in zip(self.arrays, layout.tensors):
+            part = torch.from_numpy(a if rows == self.rows else a[:rows])
+            tensors.append(part.view(view) if view is not None else part)
         scalars = []
-        for (offset, code), out, array in zip(layout.scalars, self.columns, self.column_arrays):
+        for (offset, code), array in zip(layout.scalars, self.column_arrays):
             column = np.ndarray((rows,), _SCALAR_DTYPES[code], self.scalars, offset, (layout.scalar_size,))
             if code == "?":
                 np.not_equal(column, 0, out=array[:rows])
             else:
                 array[:rows] = column
-            scalars.append(out[:rows])  # a new view: the slot's own tensor object would not count as handed out
+            scalars.append(torch.from_numpy(array if rows == self.rows else array[:rows]))
         return [tensors[k] if k >= 0 else scalars[~k] for k in layout.order]
 
 

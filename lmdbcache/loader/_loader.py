@@ -11,14 +11,14 @@ ends (exhausted, ``break``, an exception, KeyboardInterrupt, ``close()``) joins 
 Buffers. Batch tensors come from a ring of ``prefetch + 3`` slots per sample layout: the
 ``prefetch`` queued batches, the one being filled, the one the consumer's loop variable
 still holds while it asks for the next, and the one being handed over. A slot
-is reused only when the storage use count of its tensors is back where it was when it was
+is reused only when the reference counts of its arrays are back where they were when it was
 allocated: no tensor handed out from it, nor any view, numpy array or storage of one, is
-alive. A batch a user keeps therefore never changes under them (a fresh slot is allocated
-instead).
+alive (``_gather.Buffers``: each batch tensor is ``torch.from_numpy`` of a slot array). A
+batch a user keeps therefore never changes under them (a fresh slot is allocated instead).
 
 Pinned memory (``pin_memory=True``). With CUDA the ring's tensors are allocated pinned, once
 per slot, never per batch; the copy threads write straight into them, so there is no pin
-thread. A pinned slot is reused only when, besides the use count, an event recorded when
+thread. A pinned slot is reused only when, besides those counts, an event recorded when
 the consumer asked for the next batch has completed: by default an event on the consumer's
 current CUDA stream, so a ``non_blocking`` host-to-device copy of the previous batch issued
 on that stream has finished reading it (copies on another stream: pass ``record_event``).

@@ -67,7 +67,7 @@ class Ring:
 
     def acquire(self, layout: Layout, rows: int) -> Buffers:
         with self.lock:
-            kept = [b for b in self.buffers if b.layout is layout and b.rows >= rows and not b.moved()]
+            kept = [b for b in self.buffers if b.layout is layout and b.rows >= rows]
             if len(kept) != len(self.buffers):
                 self.buffers = kept  # another layout or size: the old slots go when their batches do
             buffers = next((b for b in kept if b.free()), None)
@@ -239,7 +239,7 @@ class Pass:
             batch = ds.read_batch(indices, copy)
         finally:
             for buffers in taken:
-                buffers.busy = False  # from now on only the use count of its tensors holds it
+                buffers.busy = False  # from now on only the batch's tensors hold it (_gather.Buffers)
         return (None, []) if batch is MISSING or batch is None else (batch, taken)
 
     def _fallback(self, indices: list[int]) -> Any:
