@@ -1220,3 +1220,42 @@ def test_misses_between_commits_reuse_the_last_tree(tmp_path: Any, counting: Any
         assert counting.calls["open_tree"] >= 1  # the commit: a new snapshot, a new tree
     finally:
         ds.close()
+
+
+NO_CTYPES_SCRIPT = """
+import sys
+import torch
+from helpers import Listed
+from lmdbcache import CachedDataset, collate
+from torch.utils.data import DataLoader
+
+images = [(torch.full((3, 128, 128), i % 256, dtype=torch.uint8), i) for i in range(300)]
+ds = CachedDataset(Listed(images), sys.argv[1])  # 48 KiB samples: batches of 3 MiB
+ds.__getitems__(list(range(300)))
+ds.flush()
+for batch in ds.loader(64, num_threads=2):
+    pass
+for batch in DataLoader(ds, 64, collate_fn=collate):
+    pass
+print(ds[7][1], "lmdbcache.store._address" in sys.modules)
+"""
+
+
+@needs_core
+def test_the_cores_path_never_loads_the_ctypes_address_trick(tmp_path: Any) -> None:
+    """With the core, reads, the loader and collate run without lmdbcache.store._address (ctypes.pythonapi)."""
+    from test_processes import run_script
+
+    assert run_script(NO_CTYPES_SCRIPT, str(tmp_path / "c")).stdout.split() == ["7", "False"]
+
+
+def test_the_package_calls_no_private_torch_function() -> None:
+    """No torch._C, no private torch attribute (item 4 of issue 24): a torch upgrade cannot break a hidden call."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(_native.__file__).parent.parent
+    private = re.compile(r"torch\.(_C\b|[A-Za-z.]*\._[a-z])|_storage_Use_Count|_new_shared|_cdata")
+    found = [f"{p}:{n}" for p in root.rglob("*.py") for n, line in enumerate(p.read_text().splitlines(), 1)
+             if private.search(line.split("#")[0])]  # fmt: skip
+    assert found == []

@@ -294,3 +294,24 @@ def test_locate_batch_equals_locate_cold_and_warm(env_path: str) -> None:
             assert (code, k) == (_native.NOTFOUND, 1)
     finally:
         env.close()
+
+
+@needs_core
+def test_xxh3_sse2_and_avx2_agree_with_xxhash() -> None:
+    """Both long-hash loops (AVX2 when the CPU has it, SSE2 forced by LMDBCACHE_HASH_SIMD=sse2) equal xxhash's."""
+    code = (
+        "import os, random, lmdbcache._native as n, xxhash\n"
+        "r = random.Random(3)\n"
+        "for size in [241, 256, 1023, 1024, 1025, 4096, 65536 + 7, 150528, 1 << 20]:\n"
+        "    data, seed = r.randbytes(size), r.getrandbits(64)\n"
+        "    assert n.core.xxh3_64(data, seed) == xxhash.xxh3_64_intdigest(data, seed), size\n"
+        "    assert n.core.xxh3_64(data) == xxhash.xxh3_64_intdigest(data), size\n"
+        "print(n.core.HASH_SIMD)\n"
+    )
+    seen = []
+    for cap in ("sse2", ""):
+        env = {**os.environ, "LMDBCACHE_HASH_SIMD": cap}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        seen.append(done.stdout.strip())
+    assert seen[0] == "sse2 or scalar" and seen[1] in ("avx2", "sse2 or scalar")

@@ -39,7 +39,7 @@
 #define MIDSIZE_MAX 240
 
 /* The specification's default secret ("kSecret"). */
-static const uint8_t K_SECRET[SECRET_SIZE] = {
+static _Alignas(64) const uint8_t K_SECRET[SECRET_SIZE] = {
     0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad, 0x1c,
     0xde, 0xd4, 0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb, 0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3, 0x67, 0x1f,
     0xcb, 0x79, 0xe6, 0x4e, 0xcc, 0xc0, 0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc, 0xff, 0x72, 0x21,
@@ -238,19 +238,82 @@ static uint64_t xxh3_long(const uint8_t *in, size_t len, const uint8_t *sec) {
     return xxh3_avalanche(result);
 }
 
+/* The same long hash, eight lanes per stripe in two AVX2 registers (about 1.7x SSE2's speed here). Compiled
+ * for AVX2 whatever the build's baseline (target attribute) and used only when the CPU has it
+ * (xxh3_long_best, chosen at import). The steps are the
+ * SSE2 ones above, and the scramble: acc ^= acc >> 47, ^= secret, *= PRIME32_1 (as two 32x32 products). */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(LMDBCACHE_NO_AVX2)
+#include <immintrin.h>
+#define HAVE_AVX2_HASH 1
+__attribute__((target("avx2"))) static uint64_t xxh3_long_avx2(const uint8_t *in, size_t len, const uint8_t *sec) {
+    uint64_t acc[8] = {P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1};
+    __m256i a0 = _mm256_loadu_si256((const __m256i *)(const void *)acc);
+    __m256i a1 = _mm256_loadu_si256((const __m256i *)(const void *)(acc + 4));
+    const __m256i prime = _mm256_set1_epi32((int)P32_1);
+#define ACC_LANES(a, d, k)                                                                                     \
+    do {                                                                                                       \
+        __m256i dk = _mm256_xor_si256(d, k);                                                                   \
+        __m256i prod = _mm256_mul_epu32(dk, _mm256_shuffle_epi32(dk, _MM_SHUFFLE(0, 3, 0, 1)));               \
+        a = _mm256_add_epi64(a, _mm256_add_epi64(prod, _mm256_shuffle_epi32(d, _MM_SHUFFLE(1, 0, 3, 2))));    \
+    } while (0)
+#define STRIPE_AT(p, k)                                                                                        \
+    do {                                                                                                       \
+        __m256i d0 = _mm256_loadu_si256((const __m256i *)(const void *)(p));                                   \
+        __m256i d1 = _mm256_loadu_si256((const __m256i *)(const void *)((p) + 32));                            \
+        __asm__("" : "+x"(d0), "+x"(d1)); /* each input byte loaded once (a load split across lines is slow) */ \
+        ACC_LANES(a0, d0, _mm256_loadu_si256((const __m256i *)(const void *)(k)));                             \
+        ACC_LANES(a1, d1, _mm256_loadu_si256((const __m256i *)(const void *)((k) + 32)));                      \
+    } while (0)
+#define SCRAMBLE(a, k)                                                                                         \
+    do {                                                                                                       \
+        __m256i x = _mm256_xor_si256(_mm256_xor_si256(a, _mm256_srli_epi64(a, 47)),                            \
+                                     _mm256_loadu_si256((const __m256i *)(const void *)(k)));                  \
+        __m256i lo = _mm256_mul_epu32(x, prime);                                                               \
+        __m256i hi = _mm256_mul_epu32(_mm256_shuffle_epi32(x, _MM_SHUFFLE(0, 3, 0, 1)), prime);                \
+        a = _mm256_add_epi64(lo, _mm256_slli_epi64(hi, 32));                                                   \
+    } while (0)
+    const size_t stripes_per_block = (SECRET_SIZE - STRIPE) / 8;
+    const size_t block = STRIPE * stripes_per_block;
+    size_t blocks = (len - 1) / block;
+    for (size_t n = 0; n < blocks; n++) {
+        for (size_t s = 0; s < stripes_per_block; s++) STRIPE_AT(in + n * block + s * STRIPE, sec + s * 8);
+        SCRAMBLE(a0, sec + SECRET_SIZE - STRIPE);
+        SCRAMBLE(a1, sec + SECRET_SIZE - STRIPE + 32);
+    }
+    size_t stripes = ((len - 1) - block * blocks) / STRIPE;
+    for (size_t s = 0; s < stripes; s++) STRIPE_AT(in + blocks * block + s * STRIPE, sec + s * 8);
+    STRIPE_AT(in + len - STRIPE, sec + SECRET_SIZE - STRIPE - 7);
+#undef ACC_LANES
+#undef STRIPE_AT
+#undef SCRAMBLE
+    _mm256_storeu_si256((__m256i *)(void *)acc, a0);
+    _mm256_storeu_si256((__m256i *)(void *)(acc + 4), a1);
+    uint64_t result = len * P64_1;
+    for (int i = 0; i < 4; i++) {
+        const uint8_t *k = sec + 11 + 16 * i;
+        result += mul128_fold64(acc[2 * i] ^ le64(k), acc[2 * i + 1] ^ le64(k + 8));
+    }
+    return xxh3_avalanche(result);
+}
+
+#endif
+
+/* The long hash this CPU runs best: set at import (PyInit__core); LMDBCACHE_HASH_SIMD=sse2 keeps SSE2's. */
+static uint64_t (*xxh3_long_best)(const uint8_t *, size_t, const uint8_t *) = xxh3_long;
+
 /* XXH3-64 of ``len`` bytes at ``in`` with ``seed``; touches exactly those bytes. */
 static uint64_t xxh3_64(const uint8_t *in, size_t len, uint64_t seed) {
     if (len <= 16) return xxh3_0to16(in, len, K_SECRET, seed);
     if (len <= 128) return xxh3_17to128(in, len, K_SECRET, seed);
     if (len <= MIDSIZE_MAX) return xxh3_129to240(in, len, K_SECRET, seed);
-    if (seed == 0) return xxh3_long(in, len, K_SECRET);
+    if (seed == 0) return xxh3_long_best(in, len, K_SECRET);
     /* A seeded long hash uses the default secret with the seed added to (and subtracted from) each u64 pair. */
-    uint8_t secret[SECRET_SIZE];
+    _Alignas(64) uint8_t secret[SECRET_SIZE]; /* aligned: fewer of the secret's loads split across lines */
     for (int i = 0; i < SECRET_SIZE / 16; i++) {
         put_le64(secret + 16 * i, le64(K_SECRET + 16 * i) + seed);
         put_le64(secret + 16 * i + 8, le64(K_SECRET + 16 * i + 8) - seed);
     }
-    return xxh3_long(in, len, secret);
+    return xxh3_long_best(in, len, secret);
 }
 
 /* Bytes from which a hash releases the GIL (below, taking it back costs more than the hash). */
@@ -1094,6 +1157,19 @@ static PyObject *py_view(PyObject *self, PyObject *args) {
     return PyMemoryView_FromMemory((char *)(uintptr_t)address, (Py_ssize_t)size, PyBUF_READ);
 }
 
+PyDoc_STRVAR(py_address_doc,
+             "address(buffer, /) -> int\n\n"
+             "The address of ``buffer``'s first byte (any object with the buffer protocol; 0 if it is empty).\n"
+             "What the record guard needs of a py-lmdb view, without ctypes.");
+
+static PyObject *py_address(PyObject *self, PyObject *arg) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0) return NULL;
+    uintptr_t at = (uintptr_t)b.buf;
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLongLong((unsigned long long)at);
+}
+
 static PyMethodDef tree_methods[] = {
     {"value", tree_value, METH_O, tree_value_doc},
     {"sample", (PyCFunction)(void (*)(void))tree_sample, METH_FASTCALL, tree_sample_doc},
@@ -1290,6 +1366,7 @@ static PyMethodDef core_methods[] = {
     {"set_plans", py_set_plans, METH_O, py_set_plans_doc},
     {"decode_flat", (PyCFunction)(void (*)(void))py_decode_flat, METH_FASTCALL, py_decode_flat_doc},
     {"view", py_view, METH_VARARGS, py_view_doc},
+    {"address", py_address, METH_O, py_address_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1307,6 +1384,21 @@ PyMODINIT_FUNC PyInit__core(void) {
 #ifdef HAVE_ADVICE
     os_page = sysconf(_SC_PAGESIZE);
 #endif
+    const char *simd = "sse2 or scalar";
+#ifdef HAVE_AVX2_HASH
+    /* AVX2 when the CPU has it, unless LMDBCACHE_HASH_SIMD=sse2 (the tests compare both). AVX-512 was tried and
+     * measured slower here (150 KB: 4.9 us against AVX2's 4.0 on this Xeon), so it is not used. */
+    const char *cap = getenv("LMDBCACHE_HASH_SIMD");
+    __builtin_cpu_init();
+    if ((cap == NULL || strcmp(cap, "sse2") != 0) && __builtin_cpu_supports("avx2")) {
+        xxh3_long_best = xxh3_long_avx2;
+        simd = "avx2";
+    }
+#endif
+    if (PyModule_AddStringConstant(m, "HASH_SIMD", simd) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     if (str_view == NULL && (str_view = PyUnicode_InternFromString("view")) == NULL) {
         Py_DECREF(m);
         return NULL;

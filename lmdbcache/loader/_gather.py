@@ -17,7 +17,6 @@ The codec pieces used here (and only here): ``_format.MAGIC`` and the header lay
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import struct
@@ -32,13 +31,12 @@ from .._native.batch import FILL_REASONS, Spans
 from ..errors import CorruptSampleError
 from ..format._decode import flat_plan
 from ..format._format import HEAD_AND_FLAT, MAGIC
-from ..store._address import address as _address
 
 __all__ = ["Buffers", "Layout", "layout_of"]
 
 _xxh3 = xxhash.xxh3_64_intdigest
-_memmove = ctypes.memmove  # a ctypes call releases the GIL: large copies run in parallel
-_BIG = 64 << 10  # bytes from which a copy goes through memmove (below, a memoryview copy is cheaper)
+_BIG = 64 << 10  # bytes from which a copy goes through numpy (it releases the GIL; below, a memoryview is cheaper)
+_from = np.frombuffer
 _FLAT = 0xC1
 _SCALAR_DTYPES: dict[str, np.dtype[Any]] = {"q": np.dtype("<i8"), "d": np.dtype("<f8"), "?": np.dtype("u1")}
 _COLUMN_DTYPES: dict[str, np.dtype[Any]] = {"q": np.dtype("=i8"), "d": np.dtype("=f8"), "?": np.dtype("bool")}
@@ -165,7 +163,7 @@ class Buffers:
             arrays = [_array(shape, dtype, memory) for shape, dtype in specs]
         self.arrays, self.column_arrays = arrays[: len(layout.tensors)], arrays[len(layout.tensors) :]
         self.flat = [memoryview(a).cast("B") for a in self.arrays]  # type: ignore[arg-type]
-        self.addresses = [a.__array_interface__["data"][0] for a in self.arrays]
+        self.bytes = [np.frombuffer(f, np.uint8) for f in self.flat]  # the same memory, for numpy's copies
         self.scalars = np.zeros((rows, layout.scalar_size), np.uint8)
         # No scalar field (a 1-tuple of a tensor): numpy's (rows, 0) array cannot be cast to bytes; nothing is copied
         self.scalar_view = memoryview(self.scalars).cast("B") if layout.scalar_size else memoryview(bytearray())  # type: ignore[arg-type]
@@ -200,7 +198,7 @@ class Buffers:
         layout = self.layout
         key, klen, value_size, struct_size = layout.key, len(layout.key), layout.value_size, layout.struct_size
         at, ssize = layout.scalars_at, layout.scalar_size
-        fields = list(zip(layout.tensors, self.flat, self.addresses))
+        fields = list(zip(layout.tensors, self.flat, self.bytes))
         scalar_view = self.scalar_view
         for j in range(lo, hi):
             mv, index = views[j], indices[j]
@@ -219,10 +217,10 @@ class Buffers:
             if size != struct_size or len(mv) != value_size:
                 raise _corrupt(index, "the flat structure's lengths do not add up to the value's")
             check, digest = checks[j], index
-            for (pos, nbytes, _, _, _), flat, address in fields:
+            for (pos, nbytes, _, _, _), flat, out in fields:
                 row = j * nbytes
                 if nbytes >= _BIG:
-                    _memmove(address + row, _address(mv) + pos, nbytes)  # within mv: len(mv) == value_size above
+                    out[row : row + nbytes] = _from(mv, np.uint8, nbytes, pos)  # within mv: len(mv) == value_size
                 else:
                     flat[row : row + nbytes] = mv[pos : pos + nbytes]
                 if check:

@@ -10,10 +10,10 @@ The ``Py_buffer`` struct filled by the call is per thread: the loader's copy thr
 this at once, and a struct shared between them could hand one thread another's address.
 Elsewhere than CPython (no ``ctypes.pythonapi``) the numpy way is used.
 
-Only the pure-Python path uses this module (issue #24): the record guard's per-read checks
-(``_guard.MapGuard.problem``), the loader's Python copy (``loader._gather``), and the map's view
-when the compiled core is off (with the core, ``core.view`` makes it and the core takes every
-address through the buffer protocol in C). What breaks it: it calls CPython's C API through
+Only the pure-Python path imports this module (issue #24): the record guard's per-read checks
+(``_guard.MapGuard.problem``) and the map's view when the compiled core is off (with the core,
+``core.address`` and ``core.view`` do both through the buffer protocol in C, and the loader's
+Python copy goes through numpy). What breaks it: it calls CPython's C API through
 ``ctypes.pythonapi`` with a block it sizes itself (``_PY_BUFFER_SIZE``), reading ``Py_buffer.buf``
 as the block's first pointer: a CPython whose ``Py_buffer`` grows past 160 bytes or moves ``buf``
 (no release so far has), or an interpreter without ``pythonapi`` (PyPy). The probe at import

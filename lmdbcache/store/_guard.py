@@ -45,11 +45,14 @@ import lmdb
 
 from .. import _native
 from ..errors import LmdbCacheWarning
-from ._address import address as _address
-from ._address import view as _ctypes_view
 
-# The map's view: the compiled core's own (no ctypes), else _address's (ctypes.pythonapi: see what breaks it there)
-_view = _native.core.view if _native.core is not None else _ctypes_view
+# A buffer's address and the map's view: the compiled core's own (no ctypes), else _address's (ctypes.pythonapi:
+# see what breaks it there; imported only then, so the core's path never loads it)
+if _native.core is not None:
+    _address, _view = _native.core.address, _native.core.view
+else:
+    from ._address import address as _address
+    from ._address import view as _view
 
 __all__ = ["MapGuard", "layout_known"]
 
