@@ -237,3 +237,87 @@ def test_without_sys_getframe_every_batch_takes_default_collates_path(monkeypatc
 
     monkeypatch.delattr(sys, "_getframe")
     assert collate_module.wants_batch() is False
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_workers_fill_their_segments_again_and_a_kept_batch_never_changes(cache_dir, context, monkeypatch):
+    """Persistent workers reuse a few segments (released by this process) while kept batches stay as they were."""
+    import os
+
+    ds = warm(CachedDataset(Synthetic(256), cache_dir))
+    want = [default_collate([ds[i] for i in range(k, k + 8)]) for k in range(0, 256, 8)]
+    segments = set()
+    receive = collate_module.receive
+
+    def counting(fd, size, use):  # _rebuild runs here, in the main process
+        segments.add(os.fstat(fd).st_ino)
+        return receive(fd, size, use)
+
+    monkeypatch.setattr(collate_module, "receive", counting)
+    loader = DataLoader(ds, 8, num_workers=2, collate_fn=collate, persistent_workers=True,
+                        multiprocessing_context=context)  # fmt: skip
+    kept = list(loader)
+    kept_segments = len(segments)
+    for _ in range(3):
+        for k, batch in enumerate(loader):  # each batch dropped before the next: its segment is released
+            same(batch, want[k])
+    for k, batch in enumerate(kept):  # the first epoch's batches, kept all along: no reuse overwrote them
+        same(batch, want[k])
+    assert kept_segments == 32  # every kept batch holds its own segment
+    assert len(segments) <= kept_segments + 2 * (collate_module.POOL + 2)  # 96 more batches, a few segments
+
+
+def test_a_batch_sent_twice_retires_its_segment(cache_dir, monkeypatch):
+    """A Collated pickled twice (two readers) never has its segment filled again; once-sent ones are reused."""
+    import gc
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    ds = warm(CachedDataset(Synthetic(40), cache_dir))
+    monkeypatch.setattr(collate_module, "get_worker_info", lambda: object())  # as in a worker
+    built = []
+
+    def keep(batch):
+        built.append(batch)
+        return batch
+
+    keep.lmdbcache_batched = True
+    for _ in DataLoader(ds, 8, collate_fn=keep):
+        break
+    twice = built.pop()
+    first, second = pickle.loads(ForkingPickler.dumps(twice)), pickle.loads(ForkingPickler.dumps(twice))
+    segment = twice.segment
+    del twice, first, second, _
+    gc.collect()
+    assert segment.retired and not segment.released()
+    used = []
+    for _ in DataLoader(ds, 8, collate_fn=keep):
+        batch = built.pop()
+        assert batch.segment is not None and batch.segment is not segment
+        used.append(batch.segment)
+        pickle.loads(ForkingPickler.dumps(batch))  # sent once and dropped: its segment is filled again
+        del batch
+    assert len(used) == 5 and len({id(s) for s in used}) <= 2
+
+
+def test_a_forked_childs_copy_of_a_batch_does_not_release_it():
+    """Only the process that received a segment releases it: a forked child dropping its copy writes nothing."""
+    import gc
+    import os
+    import struct
+
+    from lmdbcache.loader._shm import HEADER, Segment, receive
+
+    segment = Segment(HEADER + 4096)
+    segment.sending(1)
+    whole = receive(os.dup(segment.fd), segment.size, 1)
+    pid = os.fork()
+    if pid == 0:
+        del whole
+        gc.collect()
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert struct.unpack_from("<QQ", segment.map, 0) == (1, 0) and not segment.released()
+    del whole
+    gc.collect()
+    assert struct.unpack_from("<QQ", segment.map, 0) == (1, 1) and segment.released()

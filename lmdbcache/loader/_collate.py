@@ -24,19 +24,19 @@ and every batch takes the default_collate path: slower, never different.
 
 from __future__ import annotations
 
-import mmap
 import os
 import sys
+import threading
 from multiprocessing.reduction import DupFd
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
 from ..dataset import register_batch_hook
 from ..store._store import MISSING
-from ._gather import Buffers, Layout, Segment, layout_of
+from ._gather import Buffers, Layout, layout_of
+from ._shm import Segment, receive
 
 if TYPE_CHECKING:
     from ..store._store import Store
@@ -47,35 +47,33 @@ __all__ = ["Collated", "collate", "gather_shared", "wants_batch"]
 class Collated(list):  # type: ignore[type-arg]
     """A batch already collated by ``CachedDataset.__getitems__``: default_collate's list of field tensors.
 
-    Every field lies in one shared-memory segment (``_gather.Segment``). Pickled (a worker sending it
-    to the main process), it travels as a duplicate of the segment's file descriptor plus each field's
-    dtype, shape, stride and byte offset, and is rebuilt as a plain list of views of the segment mapped
-    there: one file descriptor per batch, where torch's pickler sends one per tensor (each is a
-    connection to the worker's resource sharer). Without a segment it pickles as the plain list.
+    Every field lies in one shared-memory segment (``_shm``). Pickled (a worker sending it to the main
+    process), it travels as a duplicate of the segment's file descriptor, the batch's use number and
+    each field's dtype, shape, stride and byte offset, and is rebuilt as a plain list of views of the
+    segment mapped there: one file descriptor per batch, where torch's pickler sends one per tensor
+    (each is a connection to the worker's resource sharer). Without a segment it pickles as the list.
     """
 
-    __slots__ = ("fields", "segment")
+    __slots__ = ("fields", "segment", "use")
 
-    def __init__(self, tensors: list[torch.Tensor], segment: Segment | None = None) -> None:
+    def __init__(self, tensors: list[torch.Tensor], segment: Segment | None = None, use: int = 0) -> None:
         super().__init__(tensors)
-        self.segment = segment
+        self.segment, self.use = segment, use
         if segment is not None:
             self.fields = [(t.dtype, tuple(t.shape), t.stride(), t.data_ptr() - segment.address) for t in tensors]
 
     def __reduce__(self) -> Any:
         if self.segment is None:
             return (list, (list(self),))
-        return (_rebuild, (DupFd(self.segment.fd), self.segment.size, self.fields))
+        self.segment.sending(self.use)
+        return (_rebuild, (DupFd(self.segment.fd), self.segment.size, self.use, self.fields))
 
 
-def _rebuild(fd: Any, size: int, fields: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]]) -> list[Any]:
+def _rebuild(
+    fd: Any, size: int, use: int, fields: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]]
+) -> list[Any]:
     """The plain list of field tensors a ``Collated`` stood for, as views of its segment mapped here."""
-    fd = fd.detach()
-    try:
-        segment = mmap.mmap(fd, max(size, 1))
-    finally:
-        os.close(fd)
-    storage = torch.from_numpy(np.frombuffer(segment, np.uint8)).untyped_storage()
+    storage = torch.from_numpy(receive(fd.detach(), size, use)).untyped_storage()
     return [torch.empty(0, dtype=dtype).set_(storage, at // dtype.itemsize, shape, stride)
             for dtype, shape, stride, at in fields]  # fmt: skip
 
@@ -103,8 +101,36 @@ def wants_batch() -> bool:
     return bool(getattr(getattr(fetcher, "collate_fn", None), "lmdbcache_batched", False))
 
 
-# One per process: the batch form of each flat signature met (a worker meets few).
+# One per process: the batch form of each flat signature met (a worker meets few), and the worker's
+# segments, filled again once their last batch is dead everywhere (``_shm``). ``_pool_pid``: a forked
+# child starts with none (its parent's segments may be in use by the parent's reader).
 _layouts: dict[bytes, Layout] = {}
+_pool: list[Buffers] = []
+_pool_pid = 0
+_pool_lock = threading.Lock()
+POOL = 6  # segments kept per process: the DataLoader's prefetch (2 per worker) and the batches being used
+
+
+def _segment_for(layout: Layout, rows: int) -> Buffers:
+    """Buffers in a shared-memory segment for ``rows`` samples of ``layout``: a released one of the pool, or new."""
+    global _pool, _pool_pid
+    with _pool_lock:
+        if _pool_pid != os.getpid():
+            _pool, _pool_pid = [], os.getpid()
+        for buffers in _pool:
+            same = buffers.layout is layout and buffers.rows == rows
+            if same and buffers.unused() and buffers.segment is not None and buffers.segment.released():
+                break
+        else:
+            buffers = Buffers(layout, rows, "shared")
+            # The oldest make room: a segment whose batch the reader keeps (or never got) must not hold a place
+            _pool = [b for b in _pool if b.segment is not None and not b.segment.retired][-(POOL - 1) :]
+            if buffers.segment is not None:
+                _pool.append(buffers)
+        if buffers.segment is not None:
+            buffers.segment.uses += 1
+        buffers.busy = True  # until its batch is built: unused() is then measured against that batch
+        return buffers
 
 
 def gather_shared(store: Store, indices: list[int], always: bool, build: str | None) -> Collated | None:
@@ -116,10 +142,14 @@ def gather_shared(store: Store, indices: list[int], always: bool, build: str | N
         layout = layout_of(views[0], indices[0], _layouts)
         if layout is None:
             return None
-        buffers = Buffers(layout, len(views), "shared")
-        if not buffers.fill(views, checks, indices, 0, len(views)):
-            return None
-        return Collated(buffers.batch(len(views)), buffers.segment)
+        buffers = _segment_for(layout, len(views))
+        try:
+            if not buffers.fill(views, checks, indices, 0, len(views)):
+                return None
+            segment = buffers.segment
+            return Collated(buffers.batch(len(views)), segment, segment.uses if segment else 0)
+        finally:
+            buffers.busy = False
 
     batch = store.read_batch(indices, always, build, copy)
     return None if batch is MISSING else batch

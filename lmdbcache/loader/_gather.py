@@ -17,8 +17,6 @@ The codec pieces used here (and only here): ``_format.MAGIC`` and the header lay
 
 from __future__ import annotations
 
-import mmap
-import os
 import struct
 import sys
 from typing import Any
@@ -31,6 +29,7 @@ from .._native.batch import FILL_REASONS, Spans
 from ..errors import CorruptSampleError
 from ..format._decode import flat_plan
 from ..format._format import HEAD_AND_FLAT, MAGIC
+from ._shm import Segment, in_segment
 
 __all__ = ["Buffers", "Layout", "layout_of"]
 
@@ -95,51 +94,10 @@ def _array(shape: tuple[int, ...], dtype: np.dtype[Any], memory: str) -> np.ndar
     return torch.empty(shape, dtype=torch_dtype, pin_memory=True).numpy()
 
 
-class Segment:
-    """One shared-memory segment (a memfd) mapped here, for a batch a DataLoader worker sends whole.
-
-    The file descriptor stays open while this object lives, so ``Collated`` can send a duplicate of it
-    (``multiprocessing.reduction.DupFd``, as torch's own file-descriptor sharing does); the mapping lives
-    while any array, tensor or view of it does, here or in the process that mapped the descriptor it got.
-    """
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.fd = os.memfd_create("lmdbcache-batch", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self.fd, max(size, 1))
-            self.map = mmap.mmap(self.fd, max(size, 1))
-            self.address = np.frombuffer(self.map, np.uint8, 1).__array_interface__["data"][0]
-        except BaseException:
-            os.close(self.fd)
-            raise
-
-    def __del__(self) -> None:
-        os.close(self.fd)
-
-
-def _in_segment(specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> tuple[Segment | None, list[np.ndarray]]:
-    """Uninitialized arrays of these shapes and dtypes, 64-byte aligned in one shared-memory segment.
-
-    Without ``os.memfd_create`` (not Linux): plain arrays and no segment; torch's pickler then copies
-    each field into its own shared memory when a worker sends the batch (one copy more).
-    """
-    if not hasattr(os, "memfd_create"):
-        return None, [np.empty(shape, dtype) for shape, dtype in specs]
-    offsets, end = [], 0
-    for shape, dtype in specs:
-        offsets.append(end)
-        end += -(-int(np.prod(shape)) * dtype.itemsize // 64) * 64
-    segment = Segment(end)
-    arrays = [np.frombuffer(segment.map, dtype, int(np.prod(shape)), offset).reshape(shape)
-              for (shape, dtype), offset in zip(specs, offsets)]  # fmt: skip
-    return segment, arrays
-
-
 class Buffers:
     """One ring slot: an array per tensor field, one per scalar field, and a staging array for the scalars.
 
-    ``memory`` is where the batch lives: "plain", "shared" (one shared-memory segment, see ``Segment``)
+    ``memory`` is where the batch lives: "plain", "shared" (one shared-memory segment, see ``_shm``)
     or "pinned" (see ``_array``).
 
     Reuse. The slot owns numpy arrays, never a tensor: every batch hands out tensors made by
@@ -158,7 +116,7 @@ class Buffers:
         specs += [((rows,), _COLUMN_DTYPES[code]) for _, code in layout.scalars]
         self.segment: Segment | None = None
         if memory == "shared":  # one segment per batch: a DataLoader worker sends one handle (loader._collate)
-            self.segment, arrays = _in_segment(specs)
+            self.segment, arrays = in_segment(specs)
         else:
             arrays = [_array(shape, dtype, memory) for shape, dtype in specs]
         self.arrays, self.column_arrays = arrays[: len(layout.tensors)], arrays[len(layout.tensors) :]
