@@ -166,7 +166,10 @@ def test_a_collated_batch_pickles_as_one_segment(cache_dir, monkeypatch):
     sent = ForkingPickler.dumps(built[-1])
     assert bytes(sent).count(b"DupFd") == 1
     got = pickle.loads(sent)
-    assert type(got) is list and len({t.untyped_storage().data_ptr() for t in got}) == 1
+    assert type(got) is list and len({t.untyped_storage().data_ptr() for t in got}) == len(got)  # one storage each
+    starts = sorted(t.untyped_storage().data_ptr() for t in got)
+    assert starts[-1] - starts[0] < 4096 and all(in_memfd_segment(t) for t in got)  # all in one mapped segment
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in got)  # no header, no neighbour
     same(got, list(built[-1]))
 
 
@@ -249,9 +252,9 @@ def test_workers_fill_their_segments_again_and_a_kept_batch_never_changes(cache_
     segments = set()
     receive = collate_module.receive
 
-    def counting(fd, size, use):  # _rebuild runs here, in the main process
+    def counting(fd, *args):  # _rebuild runs here, in the main process
         segments.add(os.fstat(fd).st_ino)
-        return receive(fd, size, use)
+        return receive(fd, *args)
 
     monkeypatch.setattr(collate_module, "receive", counting)
     loader = DataLoader(ds, 8, num_workers=2, collate_fn=collate, persistent_workers=True,
@@ -301,7 +304,7 @@ def test_a_batch_sent_twice_retires_its_segment(cache_dir, monkeypatch):
 
 
 def test_a_forked_childs_copy_of_a_batch_does_not_release_it():
-    """Only the process that received a segment releases it: a forked child dropping its copy writes nothing."""
+    """A fork retires the segments of live batches; a forked child dropping its copy releases nothing."""
     import gc
     import os
     import struct
@@ -310,14 +313,128 @@ def test_a_forked_childs_copy_of_a_batch_does_not_release_it():
 
     segment = Segment(HEADER + 4096)
     segment.sending(1)
-    whole = receive(os.dup(segment.fd), segment.size, 1)
+    batch = receive(os.dup(segment.fd), segment.size, 1, [(torch.uint8, (8, 2), (2, 1), HEADER)])
     pid = os.fork()
     if pid == 0:
-        del whole
+        del batch
         gc.collect()
         os._exit(0)
     assert os.waitpid(pid, 0)[1] == 0
-    assert struct.unpack_from("<QQ", segment.map, 0) == (1, 0) and not segment.released()
-    del whole
+    # not released by the child, and retired by the fork: the child's copy is the same memory
+    assert struct.unpack_from("<QQQ", segment.map, 0) == (1, 0, 1) and not segment.released()
+    del batch
     gc.collect()
-    assert struct.unpack_from("<QQ", segment.map, 0) == (1, 1) and segment.released()
+    assert struct.unpack_from("<QQQ", segment.map, 0) == (1, 1, 1) and not segment.released()
+
+
+FORK_KEEPS_SCRIPT = """
+import os, sys
+import torch
+from torch.utils.data import DataLoader, default_collate
+from helpers import Synthetic
+from lmdbcache import CachedDataset, collate
+
+if __name__ == "__main__":
+    ds = CachedDataset(Synthetic(64), sys.argv[1])
+    ds.__getitems__(list(range(64)))
+    ds.flush()
+    workers = int(sys.argv[2])
+    extra = {"multiprocessing_context": "spawn"} if workers else {}
+    batches = iter(DataLoader(ds, 8, num_workers=workers, collate_fn=collate, **extra))
+    batch = next(batches)
+    want = default_collate([ds[i] for i in range(8)])
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child keeps its copy of the batch while the parent goes on
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0 if all(torch.equal(a, b) for a, b in zip(batch, want)) else 1)
+    os.close(r)
+    del batch
+    for other in batches:  # the worker (or this process) fills segments again
+        pass
+    os.write(w, b"x")
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_batch_a_forked_child_keeps_never_changes(cache_dir, workers):
+    """A fork shares the segments of the batches alive at that moment: none of them is filled again."""
+    from test_processes import run_script
+
+    assert run_script(FORK_KEEPS_SCRIPT, str(cache_dir), str(workers)).stdout.split() == ["0"]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_numpy_array_of_a_batch_moved_to_shared_memory_never_changes(cache_dir, workers):
+    """``.numpy()`` then ``share_memory_()`` (as a Queue does): the array still points at the batch's old memory,
+    which is therefore never filled again (ds.loader's slot, or a worker's segment, kept by the tensor)."""
+    ds = warm(CachedDataset(Synthetic(64), cache_dir))
+    want = default_collate([ds[i] for i in range(8)])
+    if workers:
+        batches = iter(DataLoader(ds, 8, num_workers=1, collate_fn=collate, multiprocessing_context="fork"))
+    else:
+        batches = iter(ds.loader(8, num_threads=1))
+    batch = next(batches)
+    images = batch[0].numpy()
+    for t in batch:
+        t.share_memory_()
+    for _ in batches:
+        pass
+    for _ in ds.loader(8, num_threads=1):
+        pass
+    assert (images == want[0].numpy()).all() and all(torch.equal(a, b) for a, b in zip(batch, want))
+
+
+def test_a_wrapper_that_changes_the_batch_is_sent_as_changed(cache_dir):
+    """A collate_fn wrapping collate (lmdbcache_batched) that replaces or adds fields: the worker sends its list."""
+    ds = warm(CachedDataset(Synthetic(16), cache_dir))
+
+    def mine(batch):
+        out = collate(batch)
+        out[0] = out[0].float() / 255
+        out.append(torch.ones(len(out[1])))
+        return out
+
+    mine.lmdbcache_batched = True
+    for workers in (0, 1):
+        got = next(iter(DataLoader(ds, 4, num_workers=workers, collate_fn=mine)))
+        assert len(got) == 3 and got[0].dtype == torch.float32 and torch.equal(got[2], torch.ones(4)), workers
+
+
+def test_the_file_system_sharing_strategy_is_honoured(cache_dir):
+    """With torch's file_system strategy (chosen to keep descriptors few) a kept batch holds no descriptor."""
+    import os
+
+    import torch.multiprocessing as mp
+
+    ds = warm(CachedDataset(Synthetic(64), cache_dir))
+    before = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    try:
+        opened = len(os.listdir("/proc/self/fd"))
+        kept = list(DataLoader(ds, 2, num_workers=1, collate_fn=collate, multiprocessing_context="fork"))
+        assert len(os.listdir("/proc/self/fd")) - opened < 5 and len(kept) == 32
+        same(kept, list(DataLoader(ds, 2, collate_fn=default_collate)))
+    finally:
+        mp.set_sharing_strategy(before)
+
+
+def test_a_segment_that_cannot_be_mapped_closes_its_descriptor_once(monkeypatch):
+    """A failed mmap closes the new memfd once: no later close of a number another file has taken since."""
+    import gc
+    import os
+    import types
+
+    from lmdbcache.loader import _shm
+
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(_shm, "mmap", types.SimpleNamespace(mmap=refuse))
+    with pytest.raises(OSError):
+        _shm.Segment(_shm.HEADER + 4096)
+    with open(os.devnull) as victim:  # takes the number the memfd had
+        gc.collect()  # the half-built Segment's __del__ runs here at the latest
+        os.fstat(victim.fileno())

@@ -31,12 +31,13 @@ from multiprocessing.reduction import DupFd
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.multiprocessing
 from torch.utils.data import default_collate, get_worker_info
 
 from ..dataset import register_batch_hook
 from ..store._store import MISSING
 from ._gather import Buffers, Layout, layout_of
-from ._shm import Segment, receive
+from ._shm import Segment, on_fork, receive
 
 if TYPE_CHECKING:
     from ..store._store import Store
@@ -49,21 +50,23 @@ class Collated(list):  # type: ignore[type-arg]
 
     Every field lies in one shared-memory segment (``_shm``). Pickled (a worker sending it to the main
     process), it travels as a duplicate of the segment's file descriptor, the batch's use number and
-    each field's dtype, shape, stride and byte offset, and is rebuilt as a plain list of views of the
-    segment mapped there: one file descriptor per batch, where torch's pickler sends one per tensor
-    (each is a connection to the worker's resource sharer). Without a segment it pickles as the list.
+    each field's dtype, shape, stride and byte offset, and is rebuilt as a plain list of tensors on
+    the segment mapped there: one file descriptor per batch, where torch's pickler sends one per
+    tensor (each is a connection to the worker's resource sharer). Without a segment, or once a
+    ``collate_fn`` wrapping ``collate`` changed the list, it pickles as the plain list it now is.
     """
 
-    __slots__ = ("fields", "segment", "use")
+    __slots__ = ("fields", "originals", "segment", "use")
 
     def __init__(self, tensors: list[torch.Tensor], segment: Segment | None = None, use: int = 0) -> None:
         super().__init__(tensors)
-        self.segment, self.use = segment, use
+        self.segment, self.use, self.originals = segment, use, tuple(tensors)
         if segment is not None:
             self.fields = [(t.dtype, tuple(t.shape), t.stride(), t.data_ptr() - segment.address) for t in tensors]
 
     def __reduce__(self) -> Any:
-        if self.segment is None:
+        same = len(self) == len(self.originals) and all(a is b for a, b in zip(self, self.originals))
+        if self.segment is None or not same:
             return (list, (list(self),))
         self.segment.sending(self.use)
         return (_rebuild, (DupFd(self.segment.fd), self.segment.size, self.use, self.fields))
@@ -72,10 +75,8 @@ class Collated(list):  # type: ignore[type-arg]
 def _rebuild(
     fd: Any, size: int, use: int, fields: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]]
 ) -> list[Any]:
-    """The plain list of field tensors a ``Collated`` stood for, as views of its segment mapped here."""
-    storage = torch.from_numpy(receive(fd.detach(), size, use)).untyped_storage()
-    return [torch.empty(0, dtype=dtype).set_(storage, at // dtype.itemsize, shape, stride)
-            for dtype, shape, stride, at in fields]  # fmt: skip
+    """The plain list of field tensors a ``Collated`` stood for, on its segment mapped here."""
+    return receive(fd.detach(), size, use, fields)
 
 
 def collate(batch: Any) -> Any:
@@ -122,7 +123,10 @@ def _segment_for(layout: Layout, rows: int) -> Buffers:
             if same and buffers.unused() and buffers.segment is not None and buffers.segment.released():
                 break
         else:
-            buffers = Buffers(layout, rows, "shared")
+            # torch's "file_system" strategy is chosen to keep file descriptors few: then torch shares the batch
+            strategy = torch.multiprocessing.get_sharing_strategy()  # type: ignore[no-untyped-call]
+            memory = "plain" if strategy == "file_system" else "shared"
+            buffers = Buffers(layout, rows, memory)
             # The oldest make room: a segment whose batch the reader keeps (or never got) must not hold a place
             _pool = [b for b in _pool if b.segment is not None and not b.segment.retired][-(POOL - 1) :]
             if buffers.segment is not None:
@@ -131,6 +135,18 @@ def _segment_for(layout: Layout, rows: int) -> Buffers:
             buffers.segment.uses += 1
         buffers.busy = True  # until its batch is built: unused() is then measured against that batch
         return buffers
+
+
+def _retire_all() -> None:
+    """Before a fork: the child shares these segments, so none is filled again (see ``_shm``)."""
+    with _pool_lock:
+        for buffers in _pool:
+            if buffers.segment is not None:
+                buffers.segment.retired = True
+        _pool.clear()
+
+
+on_fork(_retire_all)
 
 
 def gather_shared(store: Store, indices: list[int], always: bool, build: str | None) -> Collated | None:

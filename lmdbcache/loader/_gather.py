@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import struct
 import sys
+import weakref
 from typing import Any
 
 import numpy as np
@@ -92,6 +93,25 @@ def _array(shape: tuple[int, ...], dtype: np.dtype[Any], memory: str) -> np.ndar
     torch_dtype = torch.from_numpy(np.empty(0, dtype)).dtype
     # The array holds the pinned tensor (its .base): the memory lives while the slot or a batch of it does.
     return torch.empty(shape, dtype=torch_dtype, pin_memory=True).numpy()
+
+
+# Each handed-out batch tensor holds its slot array until it dies (``_hold``): a weak reference to the
+# tensor whose callback holds the array, kept in this set until it fires.
+_held: set[weakref.ref[torch.Tensor]] = set()
+
+
+def _hold(tensor: torch.Tensor, array: np.ndarray) -> None:
+    """Keep ``array`` alive (and counted) while the tensor object ``tensor`` lives.
+
+    Its storage already holds the array, but ``share_memory_()`` (as a Queue does) moves the storage
+    and lets go of it, while a numpy array taken before with ``.numpy()`` holds the tensor and still
+    points into the old memory: that memory must neither be filled again nor freed.
+    """
+
+    def drop(ref: weakref.ref[torch.Tensor], array: np.ndarray = array) -> None:
+        _held.discard(ref)
+
+    _held.add(weakref.ref(tensor, drop))
 
 
 class Buffers:
@@ -208,6 +228,8 @@ class Buffers:
             else:
                 array[:rows] = column
             scalars.append(torch.from_numpy(array if rows == self.rows else array[:rows]))
+        for t, a in zip(tensors + scalars, self.arrays + self.column_arrays):
+            _hold(t, a)
         return [tensors[k] if k >= 0 else scalars[~k] for k in layout.order]
 
 
