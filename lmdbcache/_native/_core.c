@@ -1142,6 +1142,133 @@ static PyObject *py_decode_flat(PyObject *self, PyObject *const *args, Py_ssize_
     return sample;
 }
 
+/* ------------------------------------------------------------------------------------------
+ * Writing a flat value (a miss): the codec's flat form (lmdbcache/format/codec.py) in one allocation.
+ *
+ * The Python encoder plans a flat sample once per kind (format/_encode.py): the structure's bytes
+ * up to the scalars (``prefix``: 0xC1, the u16 signature length, the signature) and the scalars'
+ * struct codes. Here the value is laid out from those, the tensors' bytes (C-contiguous buffers)
+ * and the scalars: header, structure, buffers, both checksums. Nothing is trusted: the signature is
+ * walked and must name exactly the buffers handed in (each tensor record's nbytes equal to its
+ * buffer's length) and the scalar codes in order; a scalar of another type, an int beyond int64,
+ * a buffer that is not C-contiguous, a value over 2**32 - 1 bytes: None, and the Python encoder
+ * writes (or refuses) the sample itself, so both paths store the same bytes or the same error. */
+
+#define MAX_VALUE_SIZE 0xFFFFFFFFULL
+#define TENSOR_RECORD 11 /* b"T", then <B dtype code><B ndim><Q nbytes>, then ndim x <q dim> */
+
+PyDoc_STRVAR(py_encode_flat_doc,
+             "encode_flat(prefix, codes, buffers, scalars, index, /) -> bytes | None\n\n"
+             "The flat value of a planned sample (see format/_encode.py): ``prefix`` the structure up to the\n"
+             "scalars, ``codes`` their struct codes (b'q', b'd', b'?' each), ``buffers`` a tuple of the tensors'\n"
+             "C-contiguous buffers in signature order, ``scalars`` a tuple of the scalar items; or None when\n"
+             "anything does not match the signature (the Python encoder then writes the sample).");
+
+static PyObject *py_encode_flat(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "encode_flat() takes exactly 5 arguments");
+        return NULL;
+    }
+    PyObject *prefix = args[0], *codes = args[1], *bufs = args[2], *scalars = args[3];
+    if (!PyBytes_Check(prefix) || !PyBytes_Check(codes) || !PyTuple_Check(bufs) || !PyTuple_Check(scalars)) {
+        PyErr_SetString(PyExc_TypeError, "encode_flat(): prefix and codes must be bytes, buffers and scalars tuples");
+        return NULL;
+    }
+    unsigned long long index = PyLong_AsUnsignedLongLong(args[4]);
+    if (index == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    const uint8_t *pre = (const uint8_t *)PyBytes_AS_STRING(prefix), *kinds = (const uint8_t *)PyBytes_AS_STRING(codes);
+    Py_ssize_t plen = PyBytes_GET_SIZE(prefix), nscalars = PyBytes_GET_SIZE(codes), nbufs = PyTuple_GET_SIZE(bufs);
+    if (nscalars != PyTuple_GET_SIZE(scalars) || nbufs > MAX_ITEMS || nscalars > MAX_ITEMS || plen < 3 || pre[0] != 0xC1 ||
+        (Py_ssize_t)le16(pre + 1) != plen - 3)
+        Py_RETURN_NONE;
+    Py_buffer views[MAX_ITEMS];
+    Py_ssize_t held = 0;
+    PyObject *out = NULL;
+    uint64_t scalar_bytes = 0, data_bytes = 0;
+    for (Py_ssize_t k = 0; k < nscalars; k++) scalar_bytes += kinds[k] == '?' ? 1 : 8;
+    /* The signature must name the buffers (in order, each of its record's nbytes) and the scalar codes. */
+    Py_ssize_t at = 3, tensor = 0, scalar = 0;
+    while (at < plen) {
+        if (pre[at] == 'T') {
+            if (plen - at < TENSOR_RECORD || tensor >= nbufs) goto fallback;
+            Py_ssize_t rec = TENSOR_RECORD + 8 * (Py_ssize_t)pre[at + 2];
+            if (plen - at < rec) goto fallback;
+            if (PyObject_GetBuffer(PyTuple_GET_ITEM(bufs, tensor), &views[held], PyBUF_C_CONTIGUOUS) < 0) goto fallback;
+            held++;
+            if ((uint64_t)views[tensor].len != le64(pre + at + 3)) goto fallback;
+            data_bytes += (uint64_t)views[tensor].len;
+            tensor++;
+            at += rec;
+        } else {
+            if (scalar >= nscalars || pre[at] != kinds[scalar] || (kinds[scalar] != 'q' && kinds[scalar] != 'd' &&
+                                                                   kinds[scalar] != '?'))
+                goto fallback;
+            scalar++;
+            at++;
+        }
+    }
+    if (tensor != nbufs || scalar != nscalars) goto fallback;
+    uint64_t ssize = (uint64_t)plen + scalar_bytes;
+    if (ssize > MAX_VALUE_SIZE || data_bytes > MAX_VALUE_SIZE - 24 - ssize) goto fallback;
+    out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(24 + ssize + data_bytes));
+    if (out == NULL) goto fail;
+    uint8_t *v = (uint8_t *)PyBytes_AS_STRING(out), *s = v + 24 + plen;
+    memcpy(v + 24, pre, (size_t)plen);
+    for (Py_ssize_t k = 0; k < nscalars; k++) {
+        PyObject *item = PyTuple_GET_ITEM(scalars, k);
+        if (kinds[k] == 'q') {
+            int overflow = 0;
+            long long x = PyLong_CheckExact(item) ? PyLong_AsLongLongAndOverflow(item, &overflow) : 0;
+            if (!PyLong_CheckExact(item) || overflow || (x == -1 && PyErr_Occurred())) goto fallback;
+            put_le64(s, (uint64_t)x);
+            s += 8;
+        } else if (kinds[k] == 'd') {
+            if (!PyFloat_CheckExact(item)) goto fallback;
+            double d = PyFloat_AS_DOUBLE(item);
+            uint64_t bits;
+            memcpy(&bits, &d, 8);
+            put_le64(s, bits);
+            s += 8;
+        } else {
+            if (!PyBool_Check(item)) goto fallback;
+            *s++ = item == Py_True;
+        }
+    }
+    uint64_t digest = index;
+    if (data_bytes >= COPY_NOGIL_MIN) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t k = 0; k < nbufs; k++) {
+            memcpy(s, views[k].buf, (size_t)views[k].len);
+            digest = xxh3_64(s, (size_t)views[k].len, digest); /* over the copy: what the value holds */
+            s += views[k].len;
+        }
+        Py_END_ALLOW_THREADS
+    } else {
+        for (Py_ssize_t k = 0; k < nbufs; k++) {
+            memcpy(s, views[k].buf, (size_t)views[k].len);
+            digest = xxh3_64(s, (size_t)views[k].len, digest);
+            s += views[k].len;
+        }
+    }
+    memcpy(v, "LMC\x02", 4);
+    v[4] = (uint8_t)ssize;
+    v[5] = (uint8_t)(ssize >> 8);
+    v[6] = (uint8_t)(ssize >> 16);
+    v[7] = (uint8_t)(ssize >> 24);
+    put_le64(v + 8, xxh3_64(v + 24, (size_t)ssize, index));
+    put_le64(v + 16, digest);
+    for (Py_ssize_t k = 0; k < held; k++) PyBuffer_Release(&views[k]);
+    return out;
+fallback:
+    PyErr_Clear(); /* the Python encoder writes this sample, or says what is wrong with it */
+    Py_XDECREF(out);
+    for (Py_ssize_t k = 0; k < held; k++) PyBuffer_Release(&views[k]);
+    Py_RETURN_NONE;
+fail:
+    for (Py_ssize_t k = 0; k < held; k++) PyBuffer_Release(&views[k]);
+    return NULL;
+}
+
 PyDoc_STRVAR(py_view_doc,
              "view(address, size, /) -> memoryview\n\n"
              "A read-only view of ``size`` bytes of this process's memory at ``address`` (the map: the caller\n"
@@ -1365,6 +1492,7 @@ static PyMethodDef core_methods[] = {
     {"augment", py_augment, METH_VARARGS, py_augment_doc},
     {"set_plans", py_set_plans, METH_O, py_set_plans_doc},
     {"decode_flat", (PyCFunction)(void (*)(void))py_decode_flat, METH_FASTCALL, py_decode_flat_doc},
+    {"encode_flat", (PyCFunction)(void (*)(void))py_encode_flat, METH_FASTCALL, py_encode_flat_doc},
     {"view", py_view, METH_VARARGS, py_view_doc},
     {"address", py_address, METH_O, py_address_doc},
     {NULL, NULL, 0, NULL},

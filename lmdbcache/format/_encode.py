@@ -74,6 +74,17 @@ _STRIDED: Any = None  # torch.strided
 _TORCH_TO_CODE: TorchToCode = {}
 
 
+# The compiled core's flat writer (``core.encode_flat``), handed in by the store when the core is
+# loaded (``use_native``): this part never imports the core. None: every value is written here.
+_encode_flat: Callable[..., bytes | None] | None = None
+
+
+def use_native(encode_flat: Callable[..., bytes | None] | None) -> None:
+    """Write planned flat samples with ``encode_flat`` (``core.encode_flat``), or here again (None)."""
+    global _encode_flat
+    _encode_flat = encode_flat
+
+
 def _bind_torch() -> None:
     """Bind torch's tensor type, strided layout and dtype table, if the caller has imported torch."""
     global _Tensor, _STRIDED, _TORCH_TO_CODE
@@ -100,6 +111,8 @@ def encode(sample: Any, index: int) -> bytes:
         raise InvalidOptionError(f"Cannot encode index {index!r}: an index is an int from 0 to 2**64 - 1.")
     if _Tensor is _NoTensor:
         _bind_torch()
+    if _encode_flat is not None and type(sample) is tuple and (value := _native_flat(sample, index)) is not None:
+        return value
     buffers: list[memoryview] = []
     try:
         structure = (type(sample) is tuple and _flat(sample, buffers)) or _packb(_Encoder(buffers).prepare(sample))
@@ -344,7 +357,7 @@ def _image(im: Any, buffers: list[memoryview]) -> msgpack.ExtType:
 # dtypes, the scalars' positions). A sample of a known kind is written without the walk: one
 # numpy() view per tensor and one struct pack. Filled by _flat_first, so a sample it could not
 # write (a shape over the limits) never gets a plan.
-_FlatPlan: TypeAlias = "tuple[bytes, Callable[..., bytes], tuple[tuple[int, Any], ...], tuple[int, ...]]"
+_FlatPlan: TypeAlias = "tuple[bytes, Callable[..., bytes], tuple[tuple[int, Any], ...], tuple[int, ...], bytes]"
 _FLAT_PLANS: dict[tuple[Any, ...], _FlatPlan] = {}
 
 
@@ -363,7 +376,7 @@ def _flat(sample: tuple[Any, ...], buffers: list[memoryview]) -> bytes | None:
     plan = _FLAT_PLANS.get(key)
     if plan is None:
         return _flat_first(sample, buffers, key)
-    prefix, pack_scalars, tensors, scalars = plan
+    prefix, pack_scalars, tensors, scalars, _ = plan
     start = len(buffers)
     try:
         for k, carrier in tensors:
@@ -373,6 +386,23 @@ def _flat(sample: tuple[Any, ...], buffers: list[memoryview]) -> bytes | None:
     except (RuntimeError, TypeError, ValueError, struct.error):
         del buffers[start:]  # the general path writes (or refuses) this one
         return _flat_first(sample, buffers, None)
+
+
+def _native_flat(sample: tuple[Any, ...], index: int) -> bytes | None:
+    """The whole value of a planned flat sample, written by the core (``use_native``); None: not planned, or
+    anything the core does not take as planned (it checks the buffers against the signature). Encoded here then.
+    """
+    try:
+        plan = _FLAT_PLANS.get(
+            tuple([(item.dtype, item.shape) if type(item) is _Tensor else type(item) for item in sample])
+        )
+        if plan is None:
+            return None
+        prefix, _, tensors, scalars, codes = plan
+        arrays = tuple([(sample[k] if carrier is None else sample[k].view(carrier)).numpy() for k, carrier in tensors])
+    except (RuntimeError, TypeError, ValueError):  # what _flat's own views would raise: its path decides
+        return None
+    return _encode_flat(prefix, codes, arrays, tuple([sample[k] for k in scalars]), index)  # type: ignore[misc]
 
 
 def _flat_first(sample: tuple[Any, ...], buffers: list[memoryview], key: tuple[Any, ...] | None) -> bytes | None:
@@ -424,5 +454,6 @@ def _flat_first(sample: tuple[Any, ...], buffers: list[memoryview], key: tuple[A
     prefix = _FLAT_FIRST + _pack_u16(size) + b"".join(signature)
     pack = struct.Struct(scalar_codes).pack
     if key is not None and all(item.numel() for item in sample if type(item) is _Tensor):
-        remember(_FLAT_PLANS, key, (prefix, pack, tuple(tensor_at), tuple(scalar_at)))
+        plan = (prefix, pack, tuple(tensor_at), tuple(scalar_at), scalar_codes[1:].encode())
+        remember(_FLAT_PLANS, key, plan)
     return prefix + pack(*scalars)

@@ -28,7 +28,7 @@ import lmdb
 from .. import _native
 from .._native.batch import Spans
 from ..errors import CorruptCacheError, CorruptSampleError, LmdbCacheError
-from ..format import _pack
+from ..format import _encode, _pack
 from ..format._decode import NATIVE_PLANS
 from ..format._decode import decode as _decode
 from ._groups import deref
@@ -42,6 +42,7 @@ _index_key = struct.Struct(">Q").pack  # an index's key
 MISSING: Any = type("Missing", (), {"__repr__": lambda self: "MISSING"})()
 if _native.core is not None:
     _native.core.set_plans(NATIVE_PLANS)  # the flat plans Tree.sample decodes with (the decoder fills them)
+    _encode.use_native(_native.core.encode_flat)  # a miss's planned flat sample written in one call
 _decode_flat = _native.core.decode_flat if _native.core is not None else None
 
 
