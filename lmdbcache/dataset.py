@@ -224,7 +224,7 @@ class CachedDataset(Dataset[Any]):
             store = self._live_store()
         sample = store.get(index, self._always, self._build)  # the store checks the build, under its lock
         if sample is MISSING:
-            sample = self._fill([index], store)[0]
+            sample = self._fill_one(index, store)
         transform = self.transform
         return sample if transform is None else transform(sample)
 
@@ -316,6 +316,20 @@ class CachedDataset(Dataset[Any]):
             # contiguous, writable). No data checksum: these bytes never left this process.
             out.append(decode_new(value, i))
         return out
+
+    def _fill_one(self, index: int, store: Store) -> Any:
+        """``_fill([index], store)[0]``, without the batch's lists and generator (a single miss)."""
+        source = self.dataset
+        if source is None:
+            return self._fill([index], store)[0]  # raises, saying why
+        try:
+            raw = source[index]
+        except Exception as exc:
+            add_note(exc, f"lmdbcache: raised by the source dataset reading index {index} (cache '{self.path}')")
+            raise
+        value = encode(raw, index)
+        store.add(index, store.compress(value), self._build, self._policy)
+        return decode_new(value, index)  # as _fill: exactly what a later hit returns
 
     def _read_source(self, indices: list[int]) -> list[Any]:
         return [raw for _, raw in self._source_samples(indices)]
