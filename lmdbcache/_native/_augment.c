@@ -164,11 +164,11 @@ typedef struct {
     size_t tmp_size, strip_size;
 } AugScratch;
 
-#define AUG_ROWS 16 /* rows of a horizontal strip: the 16 lanes of the dot products below */
+#define AUG_ROWS 32 /* rows of a horizontal strip: the 32 lanes of its dot products (two 16-row transposes) */
 
 #if defined(__SSE2__) && !defined(AUG_SCALAR) /* AUG_SCALAR: the portable code on x86 too (to test it) */
 #define AUG_SSE2 1
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(AUG_NO_AVX2)
 #include <immintrin.h>
 #define AUG_AVX2 1 /* an AVX2 copy of the two dot products, taken when the CPU has it (aug_ops) */
 #endif
@@ -214,16 +214,15 @@ __attribute__((always_inline)) static inline void aug_t16(const uint8_t *src, in
 #endif
 }
 
-/* The dot products. Both passes reduce to one shape: 16 lanes of bytes, tap k's at in + k * step, weighted
- * by int16 weights w[k] (as int32 pairs wp[k / 2], see aug_taps), rounded, shifted by prec and clamped to a byte:
- *   - horizontal: the lanes are 16 rows of a transposed strip, the taps its columns (step 16 or 16 * channels);
- *   - vertical: the lanes are 16 columns of the intermediate, the taps its rows (step: its width).
+/* The dot products. Both passes reduce to one shape: lanes of bytes, tap k's at in + k * step, weighted by int16
+ * weights w[k] (as int32 pairs wp[k / 2], see aug_taps), rounded, shifted by prec and clamped to a byte:
+ *   - horizontal: the lanes are the 32 rows of a transposed strip, the taps its columns (step 32 * channels);
+ *   - vertical: the lanes are 16 or 32 columns of the intermediate, the taps its rows (step: its width).
  * With SSE2 / AVX2, taps k and k + 1 are interleaved bytewise and widened to int16 pairs, so one pmaddwd does
  * two taps' multiply-adds into int32 (no overflow: 2 * 32767 * 255 < 2^31, and the weights of an output sum to
  * 2^prec). An odd tap count pairs the last tap with zeros (its pair's second weight is 0 too): no read past the
- * last tap.
- * The results are those of the scalar code bit for bit: the same sums, and the saturating packs clamp as
- * aug_clip does. */
+ * last tap. The results are those of the scalar code bit for bit: the same sums, and the saturating packs
+ * (int32 -> int16 -> uint8) clamp to 0..255 as aug_clip does. */
 
 static inline uint8_t aug_clip(int32_t v, int prec) {
     v >>= prec;
@@ -242,32 +241,39 @@ static void aug_dot16_c(const uint8_t *in, int64_t step, int64_t n, const int16_
 }
 
 #ifdef AUG_SSE2
-/* SSE2: the 16 lanes as 4 int32 accumulators of 4. */
-static inline __m128i aug_dot16_sse2(const uint8_t *in, int64_t step, int64_t n, const int32_t *wp, int prec) {
+/* SSE2, 16 lanes as 4 int32 accumulators of 4: one pair of taps (p, q: their 16 bytes; w: their weights). */
+__attribute__((always_inline)) static inline void aug_pair16_sse2(__m128i p, __m128i q, __m128i w, __m128i *a0,
+                                                                  __m128i *a1, __m128i *a2, __m128i *a3) {
     const __m128i zero = _mm_setzero_si128();
-    __m128i a0 = _mm_set1_epi32(1 << (prec - 1)), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t k = 0; k < n; k += 2, in += 2 * step) {
-        __m128i p = _mm_loadu_si128((const __m128i *)in);
-        __m128i q = k + 1 < n ? _mm_loadu_si128((const __m128i *)(in + step)) : zero; /* zero: the odd last tap */
-        __m128i w = _mm_set1_epi32(*wp++);
-        __m128i lo = _mm_unpacklo_epi8(p, q), hi = _mm_unpackhi_epi8(p, q); /* (p_i, q_i) byte pairs */
-        a0 = _mm_add_epi32(a0, _mm_madd_epi16(_mm_unpacklo_epi8(lo, zero), w)); /* lanes 0-3 */
-        a1 = _mm_add_epi32(a1, _mm_madd_epi16(_mm_unpackhi_epi8(lo, zero), w)); /* 4-7 */
-        a2 = _mm_add_epi32(a2, _mm_madd_epi16(_mm_unpacklo_epi8(hi, zero), w)); /* 8-11 */
-        a3 = _mm_add_epi32(a3, _mm_madd_epi16(_mm_unpackhi_epi8(hi, zero), w)); /* 12-15 */
-    }
+    __m128i lo = _mm_unpacklo_epi8(p, q), hi = _mm_unpackhi_epi8(p, q); /* (p_i, q_i) byte pairs */
+    *a0 = _mm_add_epi32(*a0, _mm_madd_epi16(_mm_unpacklo_epi8(lo, zero), w)); /* lanes 0-3 */
+    *a1 = _mm_add_epi32(*a1, _mm_madd_epi16(_mm_unpackhi_epi8(lo, zero), w)); /* 4-7 */
+    *a2 = _mm_add_epi32(*a2, _mm_madd_epi16(_mm_unpacklo_epi8(hi, zero), w)); /* 8-11 */
+    *a3 = _mm_add_epi32(*a3, _mm_madd_epi16(_mm_unpackhi_epi8(hi, zero), w)); /* 12-15 */
+}
+
+__attribute__((always_inline)) static inline __m128i aug_dot16_sse2(const uint8_t *in, int64_t step, int64_t n, const int32_t *wp, int prec) {
+    __m128i a0 = _mm_set1_epi32(1 << (prec - 1)), a1 = a0, a2 = a0, a3 = a0; /* named: kept in registers */
+    int64_t k = 0;
+    for (; k + 1 < n; k += 2, in += 2 * step)
+        aug_pair16_sse2(_mm_loadu_si128((const __m128i *)in), _mm_loadu_si128((const __m128i *)(in + step)),
+                        _mm_set1_epi32(*wp++), &a0, &a1, &a2, &a3);
+    if (k < n)
+        aug_pair16_sse2(_mm_loadu_si128((const __m128i *)in), _mm_setzero_si128(), _mm_set1_epi32(*wp), &a0, &a1,
+                        &a2, &a3);
     __m128i shift = _mm_cvtsi32_si128(prec);
     a0 = _mm_sra_epi32(a0, shift), a1 = _mm_sra_epi32(a1, shift);
     a2 = _mm_sra_epi32(a2, shift), a3 = _mm_sra_epi32(a3, shift);
-    /* int32 -> int16 -> uint8, both saturating: the clamp to 0..255 */
     return _mm_packus_epi16(_mm_packs_epi32(a0, a1), _mm_packs_epi32(a2, a3));
 }
 #endif
 
 #ifdef AUG_AVX2
-/* AVX2: the 16 lanes as 2 accumulators of 8, the pairs widened by vpmovzxbw. */
-__attribute__((target("avx2"))) static inline __m128i aug_dot16_avx2(const uint8_t *in, int64_t step, int64_t n,
-                                                                     const int32_t *wp, int prec) {
+#define AUG_AVX2_FN __attribute__((target("avx2")))
+
+/* AVX2, 16 lanes as 2 accumulators of 8, the byte pairs widened by vpmovzxbw (rows 16 to 31 wide). */
+AUG_AVX2_FN __attribute__((always_inline)) static inline __m128i aug_dot16_avx2(const uint8_t *in, int64_t step, int64_t n, const int32_t *wp,
+                                                 int prec) {
     __m256i a0 = _mm256_set1_epi32(1 << (prec - 1)), a1 = a0;
     for (int64_t k = 0; k < n; k += 2, in += 2 * step) {
         __m128i p = _mm_loadu_si128((const __m128i *)in);
@@ -283,22 +289,29 @@ __attribute__((target("avx2"))) static inline __m128i aug_dot16_avx2(const uint8
     return _mm_packus_epi16(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
 }
 
-/* AVX2, 32 lanes (the vertical pass's wide rows): in-lane unpacks keep columns 0-7 | 16-23 and 8-15 | 24-31
- * together, and the packs put them back in order. */
-__attribute__((target("avx2"))) static inline __m256i aug_dot32_avx2(const uint8_t *in, int64_t step, int64_t n,
-                                                                     const int32_t *wp, int prec) {
+/* AVX2, 32 lanes as 4 accumulators of 8: in-lane unpacks keep lanes 0-7 | 16-23 and 8-15 | 24-31 together,
+ * and the two packs put them back in order. One pair of taps: */
+AUG_AVX2_FN __attribute__((always_inline)) static inline void aug_pair32_avx2(__m256i p, __m256i q, __m256i w,
+                                                                             __m256i *a0, __m256i *a1, __m256i *a2,
+                                                                             __m256i *a3) {
     const __m256i zero = _mm256_setzero_si256();
-    __m256i a0 = _mm256_set1_epi32(1 << (prec - 1)), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t k = 0; k < n; k += 2, in += 2 * step) {
-        __m256i p = _mm256_loadu_si256((const __m256i *)in);
-        __m256i q = k + 1 < n ? _mm256_loadu_si256((const __m256i *)(in + step)) : zero;
-        __m256i w = _mm256_set1_epi32(*wp++);
-        __m256i lo = _mm256_unpacklo_epi8(p, q), hi = _mm256_unpackhi_epi8(p, q);
-        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_unpacklo_epi8(lo, zero), w)); /* 0-3 | 16-19 */
-        a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_unpackhi_epi8(lo, zero), w)); /* 4-7 | 20-23 */
-        a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(_mm256_unpacklo_epi8(hi, zero), w)); /* 8-11 | 24-27 */
-        a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(_mm256_unpackhi_epi8(hi, zero), w)); /* 12-15 | 28-31 */
-    }
+    __m256i lo = _mm256_unpacklo_epi8(p, q), hi = _mm256_unpackhi_epi8(p, q);
+    *a0 = _mm256_add_epi32(*a0, _mm256_madd_epi16(_mm256_unpacklo_epi8(lo, zero), w)); /* 0-3 | 16-19 */
+    *a1 = _mm256_add_epi32(*a1, _mm256_madd_epi16(_mm256_unpackhi_epi8(lo, zero), w)); /* 4-7 | 20-23 */
+    *a2 = _mm256_add_epi32(*a2, _mm256_madd_epi16(_mm256_unpacklo_epi8(hi, zero), w)); /* 8-11 | 24-27 */
+    *a3 = _mm256_add_epi32(*a3, _mm256_madd_epi16(_mm256_unpackhi_epi8(hi, zero), w)); /* 12-15 | 28-31 */
+}
+
+AUG_AVX2_FN __attribute__((always_inline)) static inline __m256i aug_dot32_avx2(const uint8_t *in, int64_t step, int64_t n, const int32_t *wp,
+                                                 int prec) {
+    __m256i a0 = _mm256_set1_epi32(1 << (prec - 1)), a1 = a0, a2 = a0, a3 = a0; /* named: kept in registers */
+    int64_t k = 0;
+    for (; k + 1 < n; k += 2, in += 2 * step)
+        aug_pair32_avx2(_mm256_loadu_si256((const __m256i *)in), _mm256_loadu_si256((const __m256i *)(in + step)),
+                        _mm256_set1_epi32(*wp++), &a0, &a1, &a2, &a3);
+    if (k < n)
+        aug_pair32_avx2(_mm256_loadu_si256((const __m256i *)in), _mm256_setzero_si256(), _mm256_set1_epi32(*wp), &a0,
+                        &a1, &a2, &a3);
     __m128i shift = _mm_cvtsi32_si128(prec);
     a0 = _mm256_sra_epi32(a0, shift), a1 = _mm256_sra_epi32(a1, shift);
     a2 = _mm256_sra_epi32(a2, shift), a3 = _mm256_sra_epi32(a3, shift);
@@ -306,13 +319,18 @@ __attribute__((target("avx2"))) static inline __m256i aug_dot32_avx2(const uint8
 }
 #endif
 
+/* The horizontal pass's dot products of one strip: res[(x - x0) * 32 + r] for outputs x0..x1 and the 32 rows r,
+ * tap column c's bytes at strip + (c - c0) * step. The taps' fields are read into locals first: res is written
+ * through a byte pointer, which could alias them for the compiler. */
 #ifndef AUG_SSE2
-/* The horizontal pass's dot products of one strip: res[(x - x0) * 16 + r] for outputs x0..x1 and the 16 rows r,
- * tap column c's bytes at strip + (c - c0) * step. */
 static void aug_hcols_c(const uint8_t *strip, int64_t step, const AugTaps *tx, int64_t x0, int64_t x1, int64_t c0,
                         uint8_t *res) {
-    for (int64_t x = x0; x < x1; x++)
-        aug_dot16_c(strip + (tx->lo[x] - c0) * step, step, tx->n[x], tx->w + x * tx->K, tx->prec, res + (x - x0) * 16);
+    for (int64_t x = x0; x < x1; x++) {
+        const uint8_t *in = strip + (tx->lo[x] - c0) * step;
+        const int16_t *w = tx->w + x * tx->K;
+        aug_dot16_c(in, step, tx->n[x], w, tx->prec, res + (x - x0) * AUG_ROWS);
+        aug_dot16_c(in + 16, step, tx->n[x], w, tx->prec, res + (x - x0) * AUG_ROWS + 16);
+    }
 }
 #endif
 
@@ -335,9 +353,13 @@ static void aug_vrow_c(const uint8_t *tmp, int64_t width, const AugTaps *ty, int
 #ifdef AUG_SSE2
 static void aug_hcols_sse2(const uint8_t *strip, int64_t step, const AugTaps *tx, int64_t x0, int64_t x1, int64_t c0,
                            uint8_t *res) {
-    for (int64_t x = x0; x < x1; x++) {
-        __m128i v = aug_dot16_sse2(strip + (tx->lo[x] - c0) * step, step, tx->n[x], tx->wp + x * tx->P, tx->prec);
-        _mm_storeu_si128((__m128i *)(res + (x - x0) * 16), v);
+    const int64_t *lo = tx->lo, *nn = tx->n, P = tx->P;
+    const int32_t *wp = tx->wp;
+    int prec = tx->prec;
+    for (int64_t x = x0; x < x1; x++, res += AUG_ROWS) {
+        const uint8_t *in = strip + (lo[x] - c0) * step;
+        _mm_storeu_si128((__m128i *)res, aug_dot16_sse2(in, step, nn[x], wp + x * P, prec));
+        _mm_storeu_si128((__m128i *)(res + 16), aug_dot16_sse2(in + 16, step, nn[x], wp + x * P, prec));
     }
 }
 
@@ -346,34 +368,37 @@ static void aug_vrow_sse2(const uint8_t *tmp, int64_t width, const AugTaps *ty, 
         aug_vrow_c(tmp, width, ty, y, out);
         return;
     }
+    const int32_t *wp = ty->wp + y * ty->P;
+    int64_t n = ty->n[y];
+    int prec = ty->prec;
     for (int64_t x = 0; x < width; x += 16) {
         x = x + 16 <= width ? x : width - 16;
-        __m128i v = aug_dot16_sse2(tmp + x, width, ty->n[y], ty->wp + y * ty->P, ty->prec);
-        _mm_storeu_si128((__m128i *)(out + x), v);
+        _mm_storeu_si128((__m128i *)(out + x), aug_dot16_sse2(tmp + x, width, n, wp, prec));
     }
 }
 #endif
 
 #ifdef AUG_AVX2
-__attribute__((target("avx2"))) static void aug_hcols_avx2(const uint8_t *strip, int64_t step, const AugTaps *tx,
-                                                           int64_t x0, int64_t x1, int64_t c0, uint8_t *res) {
-    for (int64_t x = x0; x < x1; x++) {
-        __m128i v = aug_dot16_avx2(strip + (tx->lo[x] - c0) * step, step, tx->n[x], tx->wp + x * tx->P, tx->prec);
-        _mm_storeu_si128((__m128i *)(res + (x - x0) * 16), v);
-    }
+AUG_AVX2_FN static void aug_hcols_avx2(const uint8_t *strip, int64_t step, const AugTaps *tx, int64_t x0, int64_t x1,
+                                       int64_t c0, uint8_t *res) {
+    const int64_t *lo = tx->lo, *nn = tx->n, P = tx->P;
+    const int32_t *wp = tx->wp;
+    int prec = tx->prec;
+    for (int64_t x = x0; x < x1; x++, res += AUG_ROWS)
+        _mm256_storeu_si256((__m256i *)res, aug_dot32_avx2(strip + (lo[x] - c0) * step, step, nn[x], wp + x * P, prec));
 }
 
-__attribute__((target("avx2"))) static void aug_vrow_avx2(const uint8_t *tmp, int64_t width, const AugTaps *ty,
-                                                          int64_t y, uint8_t *out) {
+AUG_AVX2_FN static void aug_vrow_avx2(const uint8_t *tmp, int64_t width, const AugTaps *ty, int64_t y, uint8_t *out) {
     const int32_t *wp = ty->wp + y * ty->P;
     int64_t n = ty->n[y], x = 0;
+    int prec = ty->prec;
     for (; width >= 32 && x < width; x += 32) {
         x = x + 32 <= width ? x : width - 32; /* the last 32 overlap: the same values again */
-        _mm256_storeu_si256((__m256i *)(out + x), aug_dot32_avx2(tmp + x, width, n, wp, ty->prec));
+        _mm256_storeu_si256((__m256i *)(out + x), aug_dot32_avx2(tmp + x, width, n, wp, prec));
     }
     for (; width >= 16 && x < width; x += 16) { /* rows 16 to 31 wide */
         x = x + 16 <= width ? x : width - 16;
-        _mm_storeu_si128((__m128i *)(out + x), aug_dot16_avx2(tmp + x, width, n, wp, ty->prec));
+        _mm_storeu_si128((__m128i *)(out + x), aug_dot16_avx2(tmp + x, width, n, wp, prec));
     }
     if (x < width) aug_vrow_c(tmp, width, ty, y, out); /* under 16 wide */
 }
@@ -404,23 +429,25 @@ typedef struct {
 
 /* The horizontal pass of the box's rows [r_lo, r_hi) for nch channels into out (channel ch's rows at
  * out + ch * (r_hi - r_lo) * xw). src: the box's top-left pixel, pixel step sx, row step sy; channel ch at
- * src + ch. 16 rows at a time, the last 16 overlapping the ones before (the same values written twice): the
- * strip's bytes are transposed into 16-byte columns (strip[b * 16 + r] = byte b of row r; with sx == nch the
- * pixels of a row are contiguous bytes and go by 16 x 16 blocks), so each output's taps are a dot product of 16
- * lanes; the outputs (cols, column-major) are transposed back into the rows of out. */
+ * src + ch. 32 rows at a time, the last 32 overlapping the ones before (the same values written twice): the
+ * strip's bytes are transposed into 32-byte columns (strip[b * 32 + r] = byte b of row r; with sx == nch the
+ * pixels of a row are contiguous bytes and go by 16 x 16 blocks, the last block of a row overlapping too), so
+ * each output's taps are a dot product of 32 lanes; the outputs (cols, column-major) are transposed back into
+ * the rows of out. Fewer than 32 rows in all: one strip gathered byte by byte, its other lanes unused. */
 static void aug_horizontal(const AugOps *ops, const uint8_t *src, int64_t sx, int64_t sy, int64_t nch,
                            const AugSpan *sp, const AugTaps *tx, uint8_t *strip, uint8_t *cols, uint8_t *out) {
     int64_t x0 = sp->x0, x1 = sp->x1, xw = sp->xw, rows = sp->r_hi - sp->r_lo;
     int64_t c0 = tx->lo[x0], c1 = tx->lo[x1 - 1] + tx->n[x1 - 1], bytes = (c1 - c0) * nch;
     const uint8_t *first = src + c0 * sx; /* column c0 of the box's row 0 */
     for (int64_t r0 = sp->r_lo; r0 < sp->r_hi; r0 += AUG_ROWS) {
-        int64_t R = rows < AUG_ROWS ? rows : AUG_ROWS; /* under 16 rows: one strip, its other lanes unused */
+        int64_t R = rows < AUG_ROWS ? rows : AUG_ROWS;
         r0 = r0 + R <= sp->r_hi ? r0 : sp->r_hi - R;
         const uint8_t *row0 = first + r0 * sy;
         if (R == AUG_ROWS && sx == nch && bytes >= 16) {
             for (int64_t b = 0; b < bytes; b += 16) {
-                b = b + 16 <= bytes ? b : bytes - 16; /* the last block overlaps, within the row */
-                aug_t16(row0 + b, sy, strip + b * AUG_ROWS, AUG_ROWS);
+                b = b + 16 <= bytes ? b : bytes - 16;
+                aug_t16(row0 + b, sy, strip + b * AUG_ROWS, AUG_ROWS);                 /* rows 0-15 */
+                aug_t16(row0 + 16 * sy + b, sy, strip + b * AUG_ROWS + 16, AUG_ROWS); /* rows 16-31 */
             }
         } else {
             for (int64_t r = 0; r < R; r++)
@@ -434,6 +461,7 @@ static void aug_horizontal(const AugOps *ops, const uint8_t *src, int64_t sx, in
                 for (int64_t x = 0; x < xw; x += 16) {
                     x = x + 16 <= xw ? x : xw - 16;
                     aug_t16(cols + x * AUG_ROWS, AUG_ROWS, o + x, xw);
+                    aug_t16(cols + x * AUG_ROWS + 16, AUG_ROWS, o + 16 * xw + x, xw);
                 }
             } else {
                 for (int64_t r = 0; r < R; r++)
@@ -531,7 +559,7 @@ static int aug_image(const uint8_t *src, int64_t H, int64_t W, int64_t C, int hw
         s->tmp_size = s->tmp ? need : 0;
         bad = s->tmp == NULL;
     }
-    size_t strip = (size_t)(b[3] * nch * AUG_ROWS); /* the box's columns, 16 rows of them */
+    size_t strip = (size_t)(b[3] * nch * AUG_ROWS); /* the box's columns, 32 rows of them */
     if (!bad && strip > s->strip_size) {
         free(s->strip);
         s->strip = calloc(strip, 1); /* lanes past a strip's last row are computed, never used: initialized */
