@@ -152,7 +152,8 @@ static int aug_taps(int64_t in, int64_t out, AugTaps *t) {
     for (int64_t i = 0; i < out; i++)
         for (int64_t j = 0; j < t->P; j++) {
             const int16_t *w = t->w + i * K;
-            uint16_t even = 2 * j < t->n[i] ? (uint16_t)w[2 * j] : 0, odd = 2 * j + 1 < t->n[i] ? (uint16_t)w[2 * j + 1] : 0;
+            uint16_t even = 2 * j < t->n[i] ? (uint16_t)w[2 * j] : 0;
+            uint16_t odd = 2 * j + 1 < t->n[i] ? (uint16_t)w[2 * j + 1] : 0;
             t->wp[i * t->P + j] = (int32_t)((uint32_t)even | (uint32_t)odd << 16);
         }
     free(wd);
@@ -165,6 +166,7 @@ typedef struct {
 } AugScratch;
 
 #define AUG_ROWS 32 /* rows of a horizontal strip: the 32 lanes of its dot products (two 16-row transposes) */
+#define AUG_INLINE __attribute__((always_inline)) static inline /* inside loops: values stay in registers */
 
 #if defined(__SSE2__) && !defined(AUG_SCALAR) /* AUG_SCALAR: the portable code on x86 too (to test it) */
 #define AUG_SSE2 1
@@ -191,8 +193,7 @@ typedef struct {
     } while (0)
 #endif
 
-__attribute__((always_inline)) static inline void aug_t16(const uint8_t *src, int64_t sstride, uint8_t *dst,
-                                                          int64_t dstride) {
+AUG_INLINE void aug_t16(const uint8_t *src, int64_t sstride, uint8_t *dst, int64_t dstride) {
 #ifdef AUG_SSE2
 #define AUG_LD(i) a##i = _mm_loadu_si128((const __m128i *)(src + i * sstride))
 #define AUG_ST(i) _mm_storeu_si128((__m128i *)(dst + i * dstride), a##i)
@@ -242,8 +243,8 @@ static void aug_dot16_c(const uint8_t *in, int64_t step, int64_t n, const int16_
 
 #ifdef AUG_SSE2
 /* SSE2, 16 lanes as 4 int32 accumulators of 4: one pair of taps (p, q: their 16 bytes; w: their weights). */
-__attribute__((always_inline)) static inline void aug_pair16_sse2(__m128i p, __m128i q, __m128i w, __m128i *a0,
-                                                                  __m128i *a1, __m128i *a2, __m128i *a3) {
+AUG_INLINE void aug_pair16_sse2(__m128i p, __m128i q, __m128i w, __m128i *a0, __m128i *a1, __m128i *a2,
+                                __m128i *a3) {
     const __m128i zero = _mm_setzero_si128();
     __m128i lo = _mm_unpacklo_epi8(p, q), hi = _mm_unpackhi_epi8(p, q); /* (p_i, q_i) byte pairs */
     *a0 = _mm_add_epi32(*a0, _mm_madd_epi16(_mm_unpacklo_epi8(lo, zero), w)); /* lanes 0-3 */
@@ -252,7 +253,7 @@ __attribute__((always_inline)) static inline void aug_pair16_sse2(__m128i p, __m
     *a3 = _mm_add_epi32(*a3, _mm_madd_epi16(_mm_unpackhi_epi8(hi, zero), w)); /* 12-15 */
 }
 
-__attribute__((always_inline)) static inline __m128i aug_dot16_sse2(const uint8_t *in, int64_t step, int64_t n, const int32_t *wp, int prec) {
+AUG_INLINE __m128i aug_dot16_sse2(const uint8_t *in, int64_t step, int64_t n, const int32_t *wp, int prec) {
     __m128i a0 = _mm_set1_epi32(1 << (prec - 1)), a1 = a0, a2 = a0, a3 = a0; /* named: kept in registers */
     int64_t k = 0;
     for (; k + 1 < n; k += 2, in += 2 * step)
@@ -272,8 +273,7 @@ __attribute__((always_inline)) static inline __m128i aug_dot16_sse2(const uint8_
 #define AUG_AVX2_FN __attribute__((target("avx2")))
 
 /* AVX2, 16 lanes as 2 accumulators of 8, the byte pairs widened by vpmovzxbw (rows 16 to 31 wide). */
-AUG_AVX2_FN __attribute__((always_inline)) static inline __m128i aug_dot16_avx2(const uint8_t *in, int64_t step, int64_t n, const int32_t *wp,
-                                                 int prec) {
+AUG_AVX2_FN AUG_INLINE __m128i aug_dot16_avx2(const uint8_t *in, int64_t step, int64_t n, const int32_t *wp, int prec) {
     __m256i a0 = _mm256_set1_epi32(1 << (prec - 1)), a1 = a0;
     for (int64_t k = 0; k < n; k += 2, in += 2 * step) {
         __m128i p = _mm_loadu_si128((const __m128i *)in);
@@ -291,9 +291,8 @@ AUG_AVX2_FN __attribute__((always_inline)) static inline __m128i aug_dot16_avx2(
 
 /* AVX2, 32 lanes as 4 accumulators of 8: in-lane unpacks keep lanes 0-7 | 16-23 and 8-15 | 24-31 together,
  * and the two packs put them back in order. One pair of taps: */
-AUG_AVX2_FN __attribute__((always_inline)) static inline void aug_pair32_avx2(__m256i p, __m256i q, __m256i w,
-                                                                             __m256i *a0, __m256i *a1, __m256i *a2,
-                                                                             __m256i *a3) {
+AUG_AVX2_FN AUG_INLINE void aug_pair32_avx2(__m256i p, __m256i q, __m256i w, __m256i *a0, __m256i *a1, __m256i *a2,
+                                            __m256i *a3) {
     const __m256i zero = _mm256_setzero_si256();
     __m256i lo = _mm256_unpacklo_epi8(p, q), hi = _mm256_unpackhi_epi8(p, q);
     *a0 = _mm256_add_epi32(*a0, _mm256_madd_epi16(_mm256_unpacklo_epi8(lo, zero), w)); /* 0-3 | 16-19 */
@@ -302,8 +301,7 @@ AUG_AVX2_FN __attribute__((always_inline)) static inline void aug_pair32_avx2(__
     *a3 = _mm256_add_epi32(*a3, _mm256_madd_epi16(_mm256_unpackhi_epi8(hi, zero), w)); /* 12-15 | 28-31 */
 }
 
-AUG_AVX2_FN __attribute__((always_inline)) static inline __m256i aug_dot32_avx2(const uint8_t *in, int64_t step, int64_t n, const int32_t *wp,
-                                                 int prec) {
+AUG_AVX2_FN AUG_INLINE __m256i aug_dot32_avx2(const uint8_t *in, int64_t step, int64_t n, const int32_t *wp, int prec) {
     __m256i a0 = _mm256_set1_epi32(1 << (prec - 1)), a1 = a0, a2 = a0, a3 = a0; /* named: kept in registers */
     int64_t k = 0;
     for (; k + 1 < n; k += 2, in += 2 * step)
@@ -404,20 +402,107 @@ AUG_AVX2_FN static void aug_vrow_avx2(const uint8_t *tmp, int64_t width, const A
 }
 #endif
 
-/* The dot products this CPU runs best. */
+/* A strip's transposes, 32 rows by 16 byte-columns a block, the last block of a row overlapping the one before
+ * (the same bytes written twice; no read or write past the row's end). in: bytes of each of 32 rows (row r at
+ * row0 + r * sy) into strip[b * 32 + r]; out: xw columns of 32 bytes (cols[x * 32 + r]) into the rows of o
+ * (row r at o + r * xw). Both need bytes, xw >= 16. */
+static void aug_strip_in_base(const uint8_t *row0, int64_t sy, int64_t bytes, uint8_t *strip) {
+    for (int64_t b = 0; b < bytes; b += 16) {
+        b = b + 16 <= bytes ? b : bytes - 16;
+        aug_t16(row0 + b, sy, strip + b * AUG_ROWS, AUG_ROWS);                 /* rows 0-15 */
+        aug_t16(row0 + 16 * sy + b, sy, strip + b * AUG_ROWS + 16, AUG_ROWS); /* rows 16-31 */
+    }
+}
+
+static void aug_strip_out_base(const uint8_t *cols, int64_t xw, uint8_t *o) {
+    for (int64_t x = 0; x < xw; x += 16) {
+        x = x + 16 <= xw ? x : xw - 16;
+        aug_t16(cols + x * AUG_ROWS, AUG_ROWS, o + x, xw);
+        aug_t16(cols + x * AUG_ROWS + 16, AUG_ROWS, o + 16 * xw + x, xw);
+    }
+}
+
+#ifdef AUG_AVX2
+/* AVX2: both 16 x 16 blocks of a 32 x 16 one at once, one in each 128-bit half (the byte unpacks of AVX2 work
+ * within halves, so the rounds are aug_t16's): register i holds rows i and i + 16 of the source. */
+#define AUG_T32_ROUND(a, b)                                                                                            \
+    do {                                                                                                               \
+        b##0 = _mm256_unpacklo_epi8(a##0, a##8), b##1 = _mm256_unpackhi_epi8(a##0, a##8);                              \
+        b##2 = _mm256_unpacklo_epi8(a##1, a##9), b##3 = _mm256_unpackhi_epi8(a##1, a##9);                              \
+        b##4 = _mm256_unpacklo_epi8(a##2, a##10), b##5 = _mm256_unpackhi_epi8(a##2, a##10);                            \
+        b##6 = _mm256_unpacklo_epi8(a##3, a##11), b##7 = _mm256_unpackhi_epi8(a##3, a##11);                            \
+        b##8 = _mm256_unpacklo_epi8(a##4, a##12), b##9 = _mm256_unpackhi_epi8(a##4, a##12);                            \
+        b##10 = _mm256_unpacklo_epi8(a##5, a##13), b##11 = _mm256_unpackhi_epi8(a##5, a##13);                          \
+        b##12 = _mm256_unpacklo_epi8(a##6, a##14), b##13 = _mm256_unpackhi_epi8(a##6, a##14);                          \
+        b##14 = _mm256_unpacklo_epi8(a##7, a##15), b##15 = _mm256_unpackhi_epi8(a##7, a##15);                          \
+    } while (0)
+#define AUG_T32_ROUNDS                                                                                                 \
+    __m256i b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15;                                      \
+    AUG_T32_ROUND(a, b);                                                                                               \
+    AUG_T32_ROUND(b, a);                                                                                               \
+    AUG_T32_ROUND(a, b);                                                                                               \
+    AUG_T32_ROUND(b, a)
+
+/* in: register i = rows i (low half) and i + 16 (high half), 16 bytes each; after the rounds register j holds
+ * byte-column j's rows 0-15 and 16-31: the 32 bytes of strip column b + j. */
+AUG_AVX2_FN static void aug_strip_in_avx2(const uint8_t *row0, int64_t sy, int64_t bytes, uint8_t *strip) {
+    for (int64_t b = 0; b < bytes; b += 16) {
+        b = b + 16 <= bytes ? b : bytes - 16;
+        const uint8_t *s = row0 + b;
+        uint8_t *d = strip + b * AUG_ROWS;
+#define AUG_LD(i)                                                                                                      \
+    __m256i a##i = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(s + i * sy))),    \
+                                           _mm_loadu_si128((const __m128i *)(s + (i + 16) * sy)), 1)
+#define AUG_ST(i) _mm256_storeu_si256((__m256i *)(d + i * AUG_ROWS), a##i)
+        AUG_LD(0); AUG_LD(1); AUG_LD(2); AUG_LD(3); AUG_LD(4); AUG_LD(5); AUG_LD(6); AUG_LD(7);
+        AUG_LD(8); AUG_LD(9); AUG_LD(10); AUG_LD(11); AUG_LD(12); AUG_LD(13); AUG_LD(14); AUG_LD(15);
+        AUG_T32_ROUNDS;
+        AUG_ST(0), AUG_ST(1), AUG_ST(2), AUG_ST(3), AUG_ST(4), AUG_ST(5), AUG_ST(6), AUG_ST(7);
+        AUG_ST(8), AUG_ST(9), AUG_ST(10), AUG_ST(11), AUG_ST(12), AUG_ST(13), AUG_ST(14), AUG_ST(15);
+#undef AUG_LD
+#undef AUG_ST
+    }
+}
+
+/* out: register i = column x + i (rows 0-15 low, 16-31 high); after the rounds register j holds row j (low) and
+ * row j + 16 (high) of columns x..x+15. */
+AUG_AVX2_FN static void aug_strip_out_avx2(const uint8_t *cols, int64_t xw, uint8_t *o) {
+    for (int64_t x = 0; x < xw; x += 16) {
+        x = x + 16 <= xw ? x : xw - 16;
+        const uint8_t *s = cols + x * AUG_ROWS;
+        uint8_t *d = o + x;
+#define AUG_LD(i) __m256i a##i = _mm256_loadu_si256((const __m256i *)(s + i * AUG_ROWS))
+#define AUG_ST(i)                                                                                                      \
+    _mm_storeu_si128((__m128i *)(d + i * xw), _mm256_castsi256_si128(a##i)),                                           \
+        _mm_storeu_si128((__m128i *)(d + (i + 16) * xw), _mm256_extracti128_si256(a##i, 1))
+        AUG_LD(0); AUG_LD(1); AUG_LD(2); AUG_LD(3); AUG_LD(4); AUG_LD(5); AUG_LD(6); AUG_LD(7);
+        AUG_LD(8); AUG_LD(9); AUG_LD(10); AUG_LD(11); AUG_LD(12); AUG_LD(13); AUG_LD(14); AUG_LD(15);
+        AUG_T32_ROUNDS;
+        AUG_ST(0), AUG_ST(1), AUG_ST(2), AUG_ST(3), AUG_ST(4), AUG_ST(5), AUG_ST(6), AUG_ST(7);
+        AUG_ST(8), AUG_ST(9), AUG_ST(10), AUG_ST(11), AUG_ST(12), AUG_ST(13), AUG_ST(14), AUG_ST(15);
+#undef AUG_LD
+#undef AUG_ST
+    }
+}
+#endif
+
+/* The dot products and strip transposes this CPU runs best. */
 typedef struct {
     void (*hcols)(const uint8_t *, int64_t, const AugTaps *, int64_t, int64_t, int64_t, uint8_t *);
     void (*vrow)(const uint8_t *, int64_t, const AugTaps *, int64_t, uint8_t *);
+    void (*strip_in)(const uint8_t *, int64_t, int64_t, uint8_t *);
+    void (*strip_out)(const uint8_t *, int64_t, uint8_t *);
 } AugOps;
 
 static AugOps aug_ops(void) {
 #ifdef AUG_AVX2
-    if (__builtin_cpu_supports("avx2")) return (AugOps){aug_hcols_avx2, aug_vrow_avx2};
+    if (__builtin_cpu_supports("avx2"))
+        return (AugOps){aug_hcols_avx2, aug_vrow_avx2, aug_strip_in_avx2, aug_strip_out_avx2};
 #endif
 #ifdef AUG_SSE2
-    return (AugOps){aug_hcols_sse2, aug_vrow_sse2};
+    return (AugOps){aug_hcols_sse2, aug_vrow_sse2, aug_strip_in_base, aug_strip_out_base};
 #else
-    return (AugOps){aug_hcols_c, aug_vrow_c};
+    return (AugOps){aug_hcols_c, aug_vrow_c, aug_strip_in_base, aug_strip_out_base};
 #endif
 }
 
@@ -444,25 +529,18 @@ static void aug_horizontal(const AugOps *ops, const uint8_t *src, int64_t sx, in
         r0 = r0 + R <= sp->r_hi ? r0 : sp->r_hi - R;
         const uint8_t *row0 = first + r0 * sy;
         if (R == AUG_ROWS && sx == nch && bytes >= 16) {
-            for (int64_t b = 0; b < bytes; b += 16) {
-                b = b + 16 <= bytes ? b : bytes - 16;
-                aug_t16(row0 + b, sy, strip + b * AUG_ROWS, AUG_ROWS);                 /* rows 0-15 */
-                aug_t16(row0 + 16 * sy + b, sy, strip + b * AUG_ROWS + 16, AUG_ROWS); /* rows 16-31 */
-            }
+            ops->strip_in(row0, sy, bytes, strip);
         } else {
             for (int64_t r = 0; r < R; r++)
                 for (int64_t c = 0; c < c1 - c0; c++)
-                    for (int64_t ch = 0; ch < nch; ch++) strip[(c * nch + ch) * AUG_ROWS + r] = row0[r * sy + c * sx + ch];
+                    for (int64_t ch = 0; ch < nch; ch++)
+                        strip[(c * nch + ch) * AUG_ROWS + r] = row0[r * sy + c * sx + ch];
         }
         for (int64_t ch = 0; ch < nch; ch++) {
             uint8_t *o = out + (ch * rows + r0 - sp->r_lo) * xw;
             ops->hcols(strip + ch * AUG_ROWS, nch * AUG_ROWS, tx, x0, x1, c0, cols);
             if (R == AUG_ROWS && xw >= 16) {
-                for (int64_t x = 0; x < xw; x += 16) {
-                    x = x + 16 <= xw ? x : xw - 16;
-                    aug_t16(cols + x * AUG_ROWS, AUG_ROWS, o + x, xw);
-                    aug_t16(cols + x * AUG_ROWS + 16, AUG_ROWS, o + 16 * xw + x, xw);
-                }
+                ops->strip_out(cols, xw, o);
             } else {
                 for (int64_t r = 0; r < R; r++)
                     for (int64_t x = 0; x < xw; x++) o[r * xw + x] = cols[x * AUG_ROWS + r];
