@@ -667,8 +667,10 @@ static int aug_image(const uint8_t *src, int64_t H, int64_t W, int64_t C, int hw
                 aug_copy_rows(box, sx, sy, nch, &sp, s->tmp);
         }
         const uint8_t *tmp = s->tmp + (fuse ? c * (sp.r_hi - sp.r_lo) * sp.xw : 0);
-        aug_vertical(&ops, tmp, &sp, b, py, p, s->plane);
-        aug_write(p, s->plane, c, C, flip, dest);
+        /* uint8 CHW unflipped: the plane is the channel's slice of dest, written in place (no copy) */
+        int direct = p->kind == 0 && !p->channels_last && !flip;
+        aug_vertical(&ops, tmp, &sp, b, py, p, direct ? dest + c * p->oh * p->ow : s->plane);
+        if (!direct) aug_write(p, s->plane, c, C, flip, dest);
     }
     aug_taps_free(&tx), aug_taps_free(&ty);
     return FILL_OK;
