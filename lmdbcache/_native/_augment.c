@@ -119,7 +119,7 @@ static int aug_taps(int64_t in, int64_t out, AugTaps *t) {
     t->lo = malloc(sizeof(int64_t) * out), t->n = malloc(sizeof(int64_t) * out);
     t->w = calloc((size_t)(out * K), sizeof(int16_t));
     t->wp = malloc(sizeof(int32_t) * (size_t)(out * t->P));
-    double *wd = calloc((size_t)(out * K), sizeof(double));
+    double *wd = malloc(sizeof(double) * (size_t)(out * K)); /* only each output's first n[i] are written and read */
     if (!t->lo || !t->n || !t->w || !t->wp || !wd) {
         free(wd);
         aug_taps_free(t);
@@ -145,17 +145,18 @@ static int aug_taps(int64_t in, int64_t out, AugTaps *t) {
     for (prec = 0; prec < 22; prec++)
         if ((int)(0.5 + wmax * (double)(1 << (prec + 1))) >= (1 << 15)) break;
     t->prec = prec;
-    for (int64_t k = 0; k < out * K; k++) {
-        double v = wd[k] * (double)(1 << prec);
-        t->w[k] = (int16_t)(v < 0 ? (int)(-0.5 + v) : (int)(0.5 + v));
-    }
-    for (int64_t i = 0; i < out; i++)
-        for (int64_t j = 0; j < t->P; j++) {
-            const int16_t *w = t->w + i * K;
-            uint16_t even = 2 * j < t->n[i] ? (uint16_t)w[2 * j] : 0;
-            uint16_t odd = 2 * j + 1 < t->n[i] ? (uint16_t)w[2 * j + 1] : 0;
-            t->wp[i * t->P + j] = (int32_t)((uint32_t)even | (uint32_t)odd << 16);
+    for (int64_t i = 0; i < out; i++) { /* the taps past n[i] stay 0 (calloc) */
+        int16_t *w = t->w + i * K;
+        for (int64_t j = 0; j < t->n[i]; j++) {
+            double v = wd[i * K + j] * (double)(1 << prec);
+            w[j] = (int16_t)(v < 0 ? (int)(-0.5 + v) : (int)(0.5 + v));
         }
+        /* pairs: K is odd, so the last pair's second tap would be the next output's first: 0 instead */
+        for (int64_t j = 0; j < t->P; j++) {
+            uint16_t odd = 2 * j + 1 < K ? (uint16_t)w[2 * j + 1] : 0;
+            t->wp[i * t->P + j] = (int32_t)((uint32_t)(uint16_t)w[2 * j] | (uint32_t)odd << 16);
+        }
+    }
     free(wd);
     return 0;
 }
