@@ -166,14 +166,14 @@ typedef struct {
     size_t tmp_size, strip_size;
 } AugScratch;
 
-#define AUG_ROWS 32 /* rows of a horizontal strip: the 32 lanes of its dot products (two 16-row transposes) */
+#define AUG_ROWS 32 /* rows of a horizontal strip: the 32 lanes of its dot products (one AVX2, two SSE2 ones) */
 #define AUG_INLINE __attribute__((always_inline)) static inline /* inside loops: values stay in registers */
 
 #if defined(__SSE2__) && !defined(AUG_SCALAR) /* AUG_SCALAR: the portable code on x86 too (to test it) */
 #define AUG_SSE2 1
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(AUG_NO_AVX2)
 #include <immintrin.h>
-#define AUG_AVX2 1 /* an AVX2 copy of the two dot products, taken when the CPU has it (aug_ops) */
+#define AUG_AVX2 1 /* AVX2 copies of the dot products and strip transposes, taken when the CPU has it (aug_ops) */
 #endif
 #endif
 
@@ -564,8 +564,8 @@ static void aug_copy_rows(const uint8_t *src, int64_t sx, int64_t sy, int64_t nc
         }
 }
 
-/* One channel's intermediate (tmp: rows r_lo..r_hi, xw wide) through the vertical pass into s->plane
- * (oh x ow, zero outside the resized image). */
+/* One channel's intermediate (tmp: rows r_lo..r_hi, xw wide) through the vertical pass into plane (oh x ow,
+ * zero outside the resized image): s->plane, or the channel's rows of the batch themselves. */
 static void aug_vertical(const AugOps *ops, const uint8_t *tmp, const AugSpan *sp, const int64_t b[8],
                          const AugTaps *ty, const AugPlan *p, uint8_t *plane) {
     int64_t oy = b[6], ox = b[7], xw = sp->xw;
