@@ -1,8 +1,9 @@
 """Augmented training (issue 26): random-resized crop 224 + flip fused into the loader vs per-sample torch ops.
 
     python -m bench.augment [--reps 3] [--n 512]
-    python -m bench.augment --kernel DIR [--n 64]   # one fused epoch over the cache in DIR (built if absent), for
-        valgrind --tool=callgrind --toggle-collect=py_augment: the kernel's instructions per image
+    python -m bench.augment --kernel DIR [--n 64] [--hwc]   # one fused epoch over the cache in DIR (built if
+        absent; --hwc: the images stored HWC), for valgrind --tool=callgrind --toggle-collect=py_augment: the
+        kernel's instructions per image
 
 One cache of ``n`` uint8 CHW images of mixed sizes (shorter side 256-400, aspect up to 4:3 either way),
 batch 64, shuffled, one seed. Rows, interleaved per repetition, medians of ``reps``, warm (one untimed
@@ -45,8 +46,8 @@ OUT_BYTES = 3 * SIZE * SIZE
 class Mixed(Dataset[tuple[torch.Tensor, int]]):
     """uint8 CHW images, shorter side 256-400, aspect 1 to 4:3, landscape or portrait."""
 
-    def __init__(self, n: int) -> None:
-        self.n = n
+    def __init__(self, n: int, hwc: bool = False) -> None:
+        self.n, self.hwc = n, hwc
 
     def __len__(self) -> int:
         return self.n
@@ -56,7 +57,8 @@ class Mixed(Dataset[tuple[torch.Tensor, int]]):
         short = int(torch.randint(256, 401, (), generator=g))
         long = int(short * (1 + torch.rand((), generator=g).item() / 3))
         h, w = (short, long) if i % 2 else (long, short)
-        return torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g), i
+        image = torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g)
+        return (image.permute(1, 2, 0).contiguous() if self.hwc else image), i
 
 
 def torch_rrc_flip(sample: tuple[torch.Tensor, int]) -> tuple[torch.Tensor, int]:
@@ -103,16 +105,18 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--n", type=int, default=512)
     parser.add_argument("--kernel", metavar="DIR")
+    parser.add_argument("--hwc", action="store_true", help="--kernel: the images stored HWC")
     args = parser.parse_args()
     torch.set_num_threads(1)
     steps = [RandomResizedCrop(SIZE), RandomHorizontalFlip()]
     if args.kernel:
-        ds = CachedDataset(Mixed(args.n), os.path.join(args.kernel, "c"))
+        ds = CachedDataset(Mixed(args.n, args.hwc), os.path.join(args.kernel, "c"))
         if not ds.is_complete:
             for _ in ds:
                 pass
             ds.flush()
-        timed(Loader(ds, BATCH, shuffle=True, num_threads=1, augment=steps))
+        layout = "HWC" if args.hwc else "CHW"
+        timed(Loader(ds, BATCH, shuffle=True, num_threads=1, augment=steps, image_layout=layout))
         return
     with tempfile.TemporaryDirectory() as tmp:
         ds = CachedDataset(Mixed(args.n), os.path.join(tmp, "c"))

@@ -88,17 +88,19 @@ static void aug_box(const AugPlan *p, int64_t H, int64_t W, uint64_t key, int64_
     b[7] = p->ow > rw ? -((p->ow - rw) / 2) : (int64_t)rint((double)(rw - p->ow) / 2.0);
 }
 
-/* One dimension's taps: output i reads n[i] inputs from lo[i] with int16 weights w[i*K ...] of precision prec. */
+/* One dimension's taps: output i reads n[i] inputs from lo[i] with int16 weights w[i*K ...] of precision prec;
+ * wp[i*P ...] the same weights two to an int32, (w[2j] | w[2j + 1] << 16), the operand of a pmaddwd, 0 past n[i]. */
 typedef struct {
     int64_t *lo, *n;
     int16_t *w;
-    int64_t K;
+    int32_t *wp;
+    int64_t K, P;
     int prec;
 } AugTaps;
 
 static void aug_taps_free(AugTaps *t) {
-    free(t->lo), free(t->n), free(t->w);
-    t->lo = t->n = NULL, t->w = NULL;
+    free(t->lo), free(t->n), free(t->w), free(t->wp);
+    t->lo = t->n = NULL, t->w = NULL, t->wp = NULL;
 }
 
 static inline double aug_filter(double x) {
@@ -113,10 +115,12 @@ static int aug_taps(int64_t in, int64_t out, AugTaps *t) {
     double invscale = scale >= 1.0 ? 1.0 / scale : 1.0;
     int64_t K = (int64_t)ceil(support) * 2 + 1;
     t->K = K;
+    t->P = (K + 1) / 2;
     t->lo = malloc(sizeof(int64_t) * out), t->n = malloc(sizeof(int64_t) * out);
     t->w = calloc((size_t)(out * K), sizeof(int16_t));
-    double *wd = calloc((size_t)(out * K), sizeof(double));
-    if (!t->lo || !t->n || !t->w || !wd) {
+    t->wp = malloc(sizeof(int32_t) * (size_t)(out * t->P));
+    double *wd = malloc(sizeof(double) * (size_t)(out * K)); /* only each output's first n[i] are written and read */
+    if (!t->lo || !t->n || !t->w || !t->wp || !wd) {
         free(wd);
         aug_taps_free(t);
         return -1;
@@ -141,146 +145,449 @@ static int aug_taps(int64_t in, int64_t out, AugTaps *t) {
     for (prec = 0; prec < 22; prec++)
         if ((int)(0.5 + wmax * (double)(1 << (prec + 1))) >= (1 << 15)) break;
     t->prec = prec;
-    for (int64_t k = 0; k < out * K; k++) {
-        double v = wd[k] * (double)(1 << prec);
-        t->w[k] = (int16_t)(v < 0 ? (int)(-0.5 + v) : (int)(0.5 + v));
+    for (int64_t i = 0; i < out; i++) { /* the taps past n[i] stay 0 (calloc) */
+        int16_t *w = t->w + i * K;
+        for (int64_t j = 0; j < t->n[i]; j++) {
+            double v = wd[i * K + j] * (double)(1 << prec);
+            w[j] = (int16_t)(v < 0 ? (int)(-0.5 + v) : (int)(0.5 + v));
+        }
+        /* pairs: K is odd, so the last pair's second tap would be the next output's first: 0 instead */
+        for (int64_t j = 0; j < t->P; j++) {
+            uint16_t odd = 2 * j + 1 < K ? (uint16_t)w[2 * j + 1] : 0;
+            t->wp[i * t->P + j] = (int32_t)((uint32_t)(uint16_t)w[2 * j] | (uint32_t)odd << 16);
+        }
     }
     free(wd);
     return 0;
 }
 
 typedef struct {
-    uint8_t *tmp, *plane, *strip;
+    uint8_t *tmp, *plane, *strip, *cols;
     size_t tmp_size, strip_size;
 } AugScratch;
 
-/* The loops below are written in fixed-length blocks (16 or 32 lanes) that gcc turns into vector code at -O2;
- * target_clones adds an AVX2 copy of each, chosen at load time (ifunc), where the CPU has it. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
-#define AUG_CLONES __attribute__((target_clones("avx2", "default")))
-#define AUG_CLONES_O3 __attribute__((target_clones("avx2", "default"), optimize("O3"))) /* reversed copies */
-#else
-#define AUG_CLONES
-#define AUG_CLONES_O3
+#define AUG_ROWS 32 /* rows of a horizontal strip: the 32 lanes of its dot products (one AVX2, two SSE2 ones) */
+#define AUG_INLINE __attribute__((always_inline)) static inline /* inside loops: values stay in registers */
+
+#if defined(__SSE2__) && !defined(AUG_SCALAR) /* AUG_SCALAR: the portable code on x86 too (to test it) */
+#define AUG_SSE2 1
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(AUG_NO_AVX2)
+#include <immintrin.h>
+#define AUG_AVX2 1 /* AVX2 copies of the dot products and strip transposes, taken when the CPU has it (aug_ops) */
 #endif
-#define AUG_ROWS 16 /* rows of a horizontal strip */
-#define AUG_COLS 32 /* columns of a vertical block */
+#endif
 
-static inline uint8_t aug_clip(int32_t v, int prec) {
-    v >>= prec;
-    v = v < 0 ? 0 : v; /* two selects, each a vector min or max */
-    v = v > 255 ? 255 : v;
-    return (uint8_t)v;
-}
+/* A 16 x 16 block of bytes transposed: 4 rounds of interleaving row i with row i + 8 (SSE2, in every x86-64).
+ * The rounds are written out (not a loop over arrays) so the 16 rows stay in registers, and the function is
+ * inlined into its loops: a call per block costs more than the block. */
+#ifdef AUG_SSE2
+#define AUG_T16_ROUND(a, b)                                                                                            \
+    do {                                                                                                               \
+        b##0 = _mm_unpacklo_epi8(a##0, a##8), b##1 = _mm_unpackhi_epi8(a##0, a##8);                                    \
+        b##2 = _mm_unpacklo_epi8(a##1, a##9), b##3 = _mm_unpackhi_epi8(a##1, a##9);                                    \
+        b##4 = _mm_unpacklo_epi8(a##2, a##10), b##5 = _mm_unpackhi_epi8(a##2, a##10);                                  \
+        b##6 = _mm_unpacklo_epi8(a##3, a##11), b##7 = _mm_unpackhi_epi8(a##3, a##11);                                  \
+        b##8 = _mm_unpacklo_epi8(a##4, a##12), b##9 = _mm_unpackhi_epi8(a##4, a##12);                                  \
+        b##10 = _mm_unpacklo_epi8(a##5, a##13), b##11 = _mm_unpackhi_epi8(a##5, a##13);                                \
+        b##12 = _mm_unpacklo_epi8(a##6, a##14), b##13 = _mm_unpackhi_epi8(a##6, a##14);                                \
+        b##14 = _mm_unpacklo_epi8(a##7, a##15), b##15 = _mm_unpackhi_epi8(a##7, a##15);                                \
+    } while (0)
+#endif
 
-/* A 16 x 16 block of bytes transposed: 4 rounds of interleaving row i with row i + 8 (SSE2, in every x86-64). */
-static inline void aug_t16(const uint8_t *src, int64_t sstride, uint8_t *dst, int64_t dstride) {
-#ifdef __SSE2__
-    __m128i a[16], b[16];
-    for (int i = 0; i < 16; i++) a[i] = _mm_loadu_si128((const __m128i *)(src + i * sstride));
-    for (int round = 0; round < 4; round++) {
-        for (int i = 0; i < 8; i++) {
-            b[2 * i] = _mm_unpacklo_epi8(a[i], a[i + 8]);
-            b[2 * i + 1] = _mm_unpackhi_epi8(a[i], a[i + 8]);
-        }
-        memcpy(a, b, sizeof(a));
-    }
-    for (int i = 0; i < 16; i++) _mm_storeu_si128((__m128i *)(dst + i * dstride), a[i]);
+AUG_INLINE void aug_t16(const uint8_t *src, int64_t sstride, uint8_t *dst, int64_t dstride) {
+#ifdef AUG_SSE2
+#define AUG_LD(i) a##i = _mm_loadu_si128((const __m128i *)(src + i * sstride))
+#define AUG_ST(i) _mm_storeu_si128((__m128i *)(dst + i * dstride), a##i)
+    __m128i a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15;
+    __m128i b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15;
+    AUG_LD(0), AUG_LD(1), AUG_LD(2), AUG_LD(3), AUG_LD(4), AUG_LD(5), AUG_LD(6), AUG_LD(7);
+    AUG_LD(8), AUG_LD(9), AUG_LD(10), AUG_LD(11), AUG_LD(12), AUG_LD(13), AUG_LD(14), AUG_LD(15);
+    AUG_T16_ROUND(a, b);
+    AUG_T16_ROUND(b, a);
+    AUG_T16_ROUND(a, b);
+    AUG_T16_ROUND(b, a);
+    AUG_ST(0), AUG_ST(1), AUG_ST(2), AUG_ST(3), AUG_ST(4), AUG_ST(5), AUG_ST(6), AUG_ST(7);
+    AUG_ST(8), AUG_ST(9), AUG_ST(10), AUG_ST(11), AUG_ST(12), AUG_ST(13), AUG_ST(14), AUG_ST(15);
+#undef AUG_LD
+#undef AUG_ST
 #else
     for (int i = 0; i < 16; i++)
         for (int j = 0; j < 16; j++) dst[j * dstride + i] = src[i * sstride + j];
 #endif
 }
 
-/* The horizontal pass of the box's rows [r_lo, r_hi) (src: the box's top-left pixel, steps sx and sy) into
- * out (xw = x1 - x0 wide), 16 rows at a time: the strip's columns are first gathered into 16-byte groups (a
- * transpose, by 16 x 16 blocks where it can), so each output column's taps run over 16 rows at once; the
- * results of 16 columns are transposed back into the rows of out. */
-AUG_CLONES
-static void aug_horizontal(const uint8_t *src, int64_t sx, int64_t sy, int64_t r_lo, int64_t r_hi, const AugTaps *tx,
-                           int64_t x0, int64_t x1, uint8_t *strip, uint8_t *out) {
-    int64_t xw = x1 - x0, c0 = tx->lo[x0], c1 = tx->lo[x1 - 1] + tx->n[x1 - 1];
-    int32_t init = 1 << (tx->prec - 1);
-    int prec = tx->prec;
-    uint8_t block[16 * AUG_ROWS];
-    for (int64_t r0 = r_lo; r0 < r_hi; r0 += AUG_ROWS) {
-        int64_t R = r_hi - r0 < AUG_ROWS ? r_hi - r0 : AUG_ROWS;
-        int64_t c = c0;
-        if (R == AUG_ROWS && sx == 1)
-            for (; c + 16 <= c1; c += 16) aug_t16(src + r0 * sy + c, sy, strip + (c - c0) * AUG_ROWS, AUG_ROWS);
-        for (int64_t r = 0; r < R; r++) {
-            const uint8_t *row = src + (r0 + r) * sy;
-            for (int64_t cc = c; cc < c1; cc++) strip[(cc - c0) * AUG_ROWS + r] = row[cc * sx];
-        }
-        for (int64_t x = x0; x < x1; x++) {
-            int32_t acc[AUG_ROWS];
-            for (int r = 0; r < AUG_ROWS; r++) acc[r] = init;
-            const uint8_t *in = strip + (tx->lo[x] - c0) * AUG_ROWS;
-            const int16_t *w = tx->w + x * tx->K;
-            for (int64_t k = 0; k < tx->n[x]; k++) {
-                int32_t wk = w[k];
-                for (int r = 0; r < AUG_ROWS; r++) acc[r] += wk * in[k * AUG_ROWS + r];
-            }
-            uint8_t *res = block + ((x - x0) % 16) * AUG_ROWS;
-            for (int r = 0; r < AUG_ROWS; r++) res[r] = aug_clip(acc[r], prec);
-            int64_t first = x - (x - x0) % 16; /* the block's first column */
-            if ((x - x0) % 16 == 15 && R == AUG_ROWS) {
-                aug_t16(block, AUG_ROWS, out + (r0 - r_lo) * xw + (first - x0), xw);
-            } else if ((x - x0) % 16 == 15 || x == x1 - 1) {
-                for (int64_t xx = first; xx <= x; xx++)
-                    for (int64_t r = 0; r < R; r++) out[(r0 - r_lo + r) * xw + (xx - x0)] = block[(xx - first) * AUG_ROWS + r];
-            }
-        }
-    }
+/* The dot products. Both passes reduce to one shape: lanes of bytes, tap k's at in + k * step, weighted by int16
+ * weights w[k] (as int32 pairs wp[k / 2], see aug_taps), rounded, shifted by prec and clamped to a byte:
+ *   - horizontal: the lanes are the 32 rows of a transposed strip, the taps its columns (step 32 * channels);
+ *   - vertical: the lanes are 16 or 32 columns of the intermediate, the taps its rows (step: its width).
+ * With SSE2 / AVX2, taps k and k + 1 are interleaved bytewise and widened to int16 pairs, so one pmaddwd does
+ * two taps' multiply-adds into int32 (no overflow: 2 * 32767 * 255 < 2^31, and the weights of an output sum to
+ * 2^prec). An odd tap count pairs the last tap with zeros (its pair's second weight is 0 too): no read past the
+ * last tap. The results are those of the scalar code bit for bit: the same sums, and the saturating packs
+ * (int32 -> int16 -> uint8) clamp to 0..255 as aug_clip does. */
+
+static inline uint8_t aug_clip(int32_t v, int prec) {
+    v >>= prec;
+    v = v < 0 ? 0 : v;
+    v = v > 255 ? 255 : v;
+    return (uint8_t)v;
 }
 
-/* One output row of the vertical pass: n rows of tmp (width wide) weighted by w, 32 columns at a time. */
-AUG_CLONES
-static void aug_vertical(const uint8_t *tmp, int64_t width, const int16_t *w, int64_t n, int prec, uint8_t *out) {
-    int32_t init = 1 << (prec - 1);
-    int64_t x = 0;
-    for (; x + AUG_COLS <= width; x += AUG_COLS) {
-        int32_t acc[AUG_COLS];
-        for (int i = 0; i < AUG_COLS; i++) acc[i] = init;
-        for (int64_t k = 0; k < n; k++) {
-            const uint8_t *in = tmp + k * width + x;
-            int32_t wk = w[k];
-            for (int i = 0; i < AUG_COLS; i++) acc[i] += wk * in[i];
-        }
-        for (int i = 0; i < AUG_COLS; i++) out[x + i] = aug_clip(acc[i], prec);
+/* Portable: 16 lanes, one tap at a time (gcc vectorizes the lane loops). */
+static void aug_dot16_c(const uint8_t *in, int64_t step, int64_t n, const int16_t *w, int prec, uint8_t *out) {
+    int32_t acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = 1 << (prec - 1);
+    for (int64_t k = 0; k < n; k++)
+        for (int i = 0; i < 16; i++) acc[i] += (int32_t)w[k] * in[k * step + i];
+    for (int i = 0; i < 16; i++) out[i] = aug_clip(acc[i], prec);
+}
+
+#ifdef AUG_SSE2
+/* SSE2, 16 lanes as 4 int32 accumulators of 4: one pair of taps (p, q: their 16 bytes; w: their weights). */
+AUG_INLINE void aug_pair16_sse2(__m128i p, __m128i q, __m128i w, __m128i *a0, __m128i *a1, __m128i *a2,
+                                __m128i *a3) {
+    const __m128i zero = _mm_setzero_si128();
+    __m128i lo = _mm_unpacklo_epi8(p, q), hi = _mm_unpackhi_epi8(p, q); /* (p_i, q_i) byte pairs */
+    *a0 = _mm_add_epi32(*a0, _mm_madd_epi16(_mm_unpacklo_epi8(lo, zero), w)); /* lanes 0-3 */
+    *a1 = _mm_add_epi32(*a1, _mm_madd_epi16(_mm_unpackhi_epi8(lo, zero), w)); /* 4-7 */
+    *a2 = _mm_add_epi32(*a2, _mm_madd_epi16(_mm_unpacklo_epi8(hi, zero), w)); /* 8-11 */
+    *a3 = _mm_add_epi32(*a3, _mm_madd_epi16(_mm_unpackhi_epi8(hi, zero), w)); /* 12-15 */
+}
+
+AUG_INLINE __m128i aug_dot16_sse2(const uint8_t *in, int64_t step, int64_t n, const int32_t *wp, int prec) {
+    __m128i a0 = _mm_set1_epi32(1 << (prec - 1)), a1 = a0, a2 = a0, a3 = a0; /* named: kept in registers */
+    int64_t k = 0;
+    for (; k + 1 < n; k += 2, in += 2 * step)
+        aug_pair16_sse2(_mm_loadu_si128((const __m128i *)in), _mm_loadu_si128((const __m128i *)(in + step)),
+                        _mm_set1_epi32(*wp++), &a0, &a1, &a2, &a3);
+    if (k < n)
+        aug_pair16_sse2(_mm_loadu_si128((const __m128i *)in), _mm_setzero_si128(), _mm_set1_epi32(*wp), &a0, &a1,
+                        &a2, &a3);
+    __m128i shift = _mm_cvtsi32_si128(prec);
+    a0 = _mm_sra_epi32(a0, shift), a1 = _mm_sra_epi32(a1, shift);
+    a2 = _mm_sra_epi32(a2, shift), a3 = _mm_sra_epi32(a3, shift);
+    return _mm_packus_epi16(_mm_packs_epi32(a0, a1), _mm_packs_epi32(a2, a3));
+}
+#endif
+
+#ifdef AUG_AVX2
+#define AUG_AVX2_FN __attribute__((target("avx2")))
+
+/* AVX2, 16 lanes as 2 accumulators of 8, the byte pairs widened by vpmovzxbw (rows 16 to 31 wide). */
+AUG_AVX2_FN AUG_INLINE __m128i aug_dot16_avx2(const uint8_t *in, int64_t step, int64_t n, const int32_t *wp, int prec) {
+    __m256i a0 = _mm256_set1_epi32(1 << (prec - 1)), a1 = a0;
+    for (int64_t k = 0; k < n; k += 2, in += 2 * step) {
+        __m128i p = _mm_loadu_si128((const __m128i *)in);
+        __m128i q = k + 1 < n ? _mm_loadu_si128((const __m128i *)(in + step)) : _mm_setzero_si128();
+        __m256i w = _mm256_set1_epi32(*wp++);
+        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(p, q)), w)); /* 0-7 */
+        a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_unpackhi_epi8(p, q)), w)); /* 8-15 */
+    }
+    __m128i shift = _mm_cvtsi32_si128(prec);
+    a0 = _mm256_sra_epi32(a0, shift), a1 = _mm256_sra_epi32(a1, shift);
+    /* packs works within 128-bit halves: lanes 0-3, 8-11 | 4-7, 12-15; the permute puts them in order */
+    __m256i s = _mm256_permute4x64_epi64(_mm256_packs_epi32(a0, a1), 0xD8);
+    return _mm_packus_epi16(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+}
+
+/* AVX2, 32 lanes as 4 accumulators of 8: in-lane unpacks keep lanes 0-7 | 16-23 and 8-15 | 24-31 together,
+ * and the two packs put them back in order. One pair of taps: */
+AUG_AVX2_FN AUG_INLINE void aug_pair32_avx2(__m256i p, __m256i q, __m256i w, __m256i *a0, __m256i *a1, __m256i *a2,
+                                            __m256i *a3) {
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i lo = _mm256_unpacklo_epi8(p, q), hi = _mm256_unpackhi_epi8(p, q);
+    *a0 = _mm256_add_epi32(*a0, _mm256_madd_epi16(_mm256_unpacklo_epi8(lo, zero), w)); /* 0-3 | 16-19 */
+    *a1 = _mm256_add_epi32(*a1, _mm256_madd_epi16(_mm256_unpackhi_epi8(lo, zero), w)); /* 4-7 | 20-23 */
+    *a2 = _mm256_add_epi32(*a2, _mm256_madd_epi16(_mm256_unpacklo_epi8(hi, zero), w)); /* 8-11 | 24-27 */
+    *a3 = _mm256_add_epi32(*a3, _mm256_madd_epi16(_mm256_unpackhi_epi8(hi, zero), w)); /* 12-15 | 28-31 */
+}
+
+AUG_AVX2_FN AUG_INLINE __m256i aug_dot32_avx2(const uint8_t *in, int64_t step, int64_t n, const int32_t *wp, int prec) {
+    __m256i a0 = _mm256_set1_epi32(1 << (prec - 1)), a1 = a0, a2 = a0, a3 = a0; /* named: kept in registers */
+    int64_t k = 0;
+    for (; k + 1 < n; k += 2, in += 2 * step)
+        aug_pair32_avx2(_mm256_loadu_si256((const __m256i *)in), _mm256_loadu_si256((const __m256i *)(in + step)),
+                        _mm256_set1_epi32(*wp++), &a0, &a1, &a2, &a3);
+    if (k < n)
+        aug_pair32_avx2(_mm256_loadu_si256((const __m256i *)in), _mm256_setzero_si256(), _mm256_set1_epi32(*wp), &a0,
+                        &a1, &a2, &a3);
+    __m128i shift = _mm_cvtsi32_si128(prec);
+    a0 = _mm256_sra_epi32(a0, shift), a1 = _mm256_sra_epi32(a1, shift);
+    a2 = _mm256_sra_epi32(a2, shift), a3 = _mm256_sra_epi32(a3, shift);
+    return _mm256_packus_epi16(_mm256_packs_epi32(a0, a1), _mm256_packs_epi32(a2, a3));
+}
+#endif
+
+/* The horizontal pass's dot products of one strip: res[(x - x0) * 32 + r] for outputs x0..x1 and the 32 rows r,
+ * tap column c's bytes at strip + (c - c0) * step. The taps' fields are read into locals first: res is written
+ * through a byte pointer, which could alias them for the compiler. */
+#ifndef AUG_SSE2
+static void aug_hcols_c(const uint8_t *strip, int64_t step, const AugTaps *tx, int64_t x0, int64_t x1, int64_t c0,
+                        uint8_t *res) {
+    for (int64_t x = x0; x < x1; x++) {
+        const uint8_t *in = strip + (tx->lo[x] - c0) * step;
+        const int16_t *w = tx->w + x * tx->K;
+        aug_dot16_c(in, step, tx->n[x], w, tx->prec, res + (x - x0) * AUG_ROWS);
+        aug_dot16_c(in + 16, step, tx->n[x], w, tx->prec, res + (x - x0) * AUG_ROWS + 16);
+    }
+}
+#endif
+
+/* One output row of the vertical pass: n rows of tmp (width wide) weighted by ty's row y, 16 columns at a time
+ * (the last 16 overlapping the ones before: the same values written twice), the rest of a row under 16 scalar. */
+static void aug_vrow_c(const uint8_t *tmp, int64_t width, const AugTaps *ty, int64_t y, uint8_t *out) {
+    const int16_t *w = ty->w + y * ty->K;
+    int64_t n = ty->n[y], x = 0;
+    for (; width >= 16 && x < width; x += 16) {
+        x = x + 16 <= width ? x : width - 16;
+        aug_dot16_c(tmp + x, width, n, w, ty->prec, out + x);
     }
     for (; x < width; x++) {
-        int32_t acc = init;
+        int32_t acc = 1 << (ty->prec - 1);
         for (int64_t k = 0; k < n; k++) acc += w[k] * tmp[k * width + x];
-        out[x] = aug_clip(acc, prec);
+        out[x] = aug_clip(acc, ty->prec);
     }
 }
 
-/* One channel (pixel step sx, row step sy) into s->plane (oh x ow, zero outside the resized image). */
-static void aug_channel(const uint8_t *src, int64_t sx, int64_t sy, const int64_t b[8], const AugTaps *tx,
-                        const AugTaps *ty, const AugPlan *p, AugScratch *s) {
-    int64_t top = b[0], left = b[1], rh = b[4], rw = b[5], oy = b[6], ox = b[7];
-    int64_t y0 = oy > 0 ? oy : 0, y1 = oy + p->oh < rh ? oy + p->oh : rh;
-    int64_t x0 = ox > 0 ? ox : 0, x1 = ox + p->ow < rw ? ox + p->ow : rw;
-    if (y0 != oy || x0 != ox || y1 != oy + p->oh || x1 != ox + p->ow) memset(s->plane, 0, (size_t)(p->oh * p->ow));
-    if (y0 >= y1 || x0 >= x1) return;
-    int64_t xw = x1 - x0;
-    int64_t r_lo = ty ? ty->lo[y0] : y0, r_hi = ty ? ty->lo[y1 - 1] + ty->n[y1 - 1] : y1;
-    const uint8_t *box = src + top * sy + left * sx;
-    if (tx) {
-        aug_horizontal(box, sx, sy, r_lo, r_hi, tx, x0, x1, s->strip, s->tmp);
-    } else {
-        for (int64_t r = r_lo; r < r_hi; r++)
-            for (int64_t x = x0; x < x1; x++) s->tmp[(r - r_lo) * xw + x - x0] = box[r * sy + x * sx];
-    }
-    for (int64_t y = y0; y < y1; y++) {
-        uint8_t *out = s->plane + (y - oy) * p->ow + (x0 - ox);
-        if (ty)
-            aug_vertical(s->tmp + (ty->lo[y] - r_lo) * xw, xw, ty->w + y * ty->K, ty->n[y], ty->prec, out);
-        else
-            memcpy(out, s->tmp + (y - r_lo) * xw, (size_t)xw);
+#ifdef AUG_SSE2
+static void aug_hcols_sse2(const uint8_t *strip, int64_t step, const AugTaps *tx, int64_t x0, int64_t x1, int64_t c0,
+                           uint8_t *res) {
+    const int64_t *lo = tx->lo, *nn = tx->n, P = tx->P;
+    const int32_t *wp = tx->wp;
+    int prec = tx->prec;
+    for (int64_t x = x0; x < x1; x++, res += AUG_ROWS) {
+        const uint8_t *in = strip + (lo[x] - c0) * step;
+        _mm_storeu_si128((__m128i *)res, aug_dot16_sse2(in, step, nn[x], wp + x * P, prec));
+        _mm_storeu_si128((__m128i *)(res + 16), aug_dot16_sse2(in + 16, step, nn[x], wp + x * P, prec));
     }
 }
+
+static void aug_vrow_sse2(const uint8_t *tmp, int64_t width, const AugTaps *ty, int64_t y, uint8_t *out) {
+    if (width < 16) {
+        aug_vrow_c(tmp, width, ty, y, out);
+        return;
+    }
+    const int32_t *wp = ty->wp + y * ty->P;
+    int64_t n = ty->n[y];
+    int prec = ty->prec;
+    for (int64_t x = 0; x < width; x += 16) {
+        x = x + 16 <= width ? x : width - 16;
+        _mm_storeu_si128((__m128i *)(out + x), aug_dot16_sse2(tmp + x, width, n, wp, prec));
+    }
+}
+#endif
+
+#ifdef AUG_AVX2
+AUG_AVX2_FN static void aug_hcols_avx2(const uint8_t *strip, int64_t step, const AugTaps *tx, int64_t x0, int64_t x1,
+                                       int64_t c0, uint8_t *res) {
+    const int64_t *lo = tx->lo, *nn = tx->n, P = tx->P;
+    const int32_t *wp = tx->wp;
+    int prec = tx->prec;
+    for (int64_t x = x0; x < x1; x++, res += AUG_ROWS)
+        _mm256_storeu_si256((__m256i *)res, aug_dot32_avx2(strip + (lo[x] - c0) * step, step, nn[x], wp + x * P, prec));
+}
+
+AUG_AVX2_FN static void aug_vrow_avx2(const uint8_t *tmp, int64_t width, const AugTaps *ty, int64_t y, uint8_t *out) {
+    const int32_t *wp = ty->wp + y * ty->P;
+    int64_t n = ty->n[y], x = 0;
+    int prec = ty->prec;
+    for (; width >= 32 && x < width; x += 32) {
+        x = x + 32 <= width ? x : width - 32; /* the last 32 overlap: the same values again */
+        _mm256_storeu_si256((__m256i *)(out + x), aug_dot32_avx2(tmp + x, width, n, wp, prec));
+    }
+    for (; width >= 16 && x < width; x += 16) { /* rows 16 to 31 wide */
+        x = x + 16 <= width ? x : width - 16;
+        _mm_storeu_si128((__m128i *)(out + x), aug_dot16_avx2(tmp + x, width, n, wp, prec));
+    }
+    if (x < width) aug_vrow_c(tmp, width, ty, y, out); /* under 16 wide */
+}
+#endif
+
+/* A strip's transposes, 32 rows by 16 byte-columns a block, the last block of a row overlapping the one before
+ * (the same bytes written twice; no read or write past the row's end). in: bytes of each of 32 rows (row r at
+ * row0 + r * sy) into strip[b * 32 + r]; out: xw columns of 32 bytes (cols[x * 32 + r]) into the rows of o
+ * (row r at o + r * xw). Both need bytes, xw >= 16. */
+static void aug_strip_in_base(const uint8_t *row0, int64_t sy, int64_t bytes, uint8_t *strip) {
+    for (int64_t b = 0; b < bytes; b += 16) {
+        b = b + 16 <= bytes ? b : bytes - 16;
+        aug_t16(row0 + b, sy, strip + b * AUG_ROWS, AUG_ROWS);                 /* rows 0-15 */
+        aug_t16(row0 + 16 * sy + b, sy, strip + b * AUG_ROWS + 16, AUG_ROWS); /* rows 16-31 */
+    }
+}
+
+static void aug_strip_out_base(const uint8_t *cols, int64_t xw, uint8_t *o) {
+    for (int64_t x = 0; x < xw; x += 16) {
+        x = x + 16 <= xw ? x : xw - 16;
+        aug_t16(cols + x * AUG_ROWS, AUG_ROWS, o + x, xw);
+        aug_t16(cols + x * AUG_ROWS + 16, AUG_ROWS, o + 16 * xw + x, xw);
+    }
+}
+
+#ifdef AUG_AVX2
+/* AVX2: both 16 x 16 blocks of a 32 x 16 one at once, one in each 128-bit half (the byte unpacks of AVX2 work
+ * within halves, so the rounds are aug_t16's): register i holds rows i and i + 16 of the source. */
+#define AUG_T32_ROUND(a, b)                                                                                            \
+    do {                                                                                                               \
+        b##0 = _mm256_unpacklo_epi8(a##0, a##8), b##1 = _mm256_unpackhi_epi8(a##0, a##8);                              \
+        b##2 = _mm256_unpacklo_epi8(a##1, a##9), b##3 = _mm256_unpackhi_epi8(a##1, a##9);                              \
+        b##4 = _mm256_unpacklo_epi8(a##2, a##10), b##5 = _mm256_unpackhi_epi8(a##2, a##10);                            \
+        b##6 = _mm256_unpacklo_epi8(a##3, a##11), b##7 = _mm256_unpackhi_epi8(a##3, a##11);                            \
+        b##8 = _mm256_unpacklo_epi8(a##4, a##12), b##9 = _mm256_unpackhi_epi8(a##4, a##12);                            \
+        b##10 = _mm256_unpacklo_epi8(a##5, a##13), b##11 = _mm256_unpackhi_epi8(a##5, a##13);                          \
+        b##12 = _mm256_unpacklo_epi8(a##6, a##14), b##13 = _mm256_unpackhi_epi8(a##6, a##14);                          \
+        b##14 = _mm256_unpacklo_epi8(a##7, a##15), b##15 = _mm256_unpackhi_epi8(a##7, a##15);                          \
+    } while (0)
+#define AUG_T32_ROUNDS                                                                                                 \
+    __m256i b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15;                                      \
+    AUG_T32_ROUND(a, b);                                                                                               \
+    AUG_T32_ROUND(b, a);                                                                                               \
+    AUG_T32_ROUND(a, b);                                                                                               \
+    AUG_T32_ROUND(b, a)
+
+/* in: register i = rows i (low half) and i + 16 (high half), 16 bytes each; after the rounds register j holds
+ * byte-column j's rows 0-15 and 16-31: the 32 bytes of strip column b + j. */
+AUG_AVX2_FN static void aug_strip_in_avx2(const uint8_t *row0, int64_t sy, int64_t bytes, uint8_t *strip) {
+    for (int64_t b = 0; b < bytes; b += 16) {
+        b = b + 16 <= bytes ? b : bytes - 16;
+        const uint8_t *s = row0 + b;
+        uint8_t *d = strip + b * AUG_ROWS;
+#define AUG_LD(i)                                                                                                      \
+    __m256i a##i = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(s + i * sy))),    \
+                                           _mm_loadu_si128((const __m128i *)(s + (i + 16) * sy)), 1)
+#define AUG_ST(i) _mm256_storeu_si256((__m256i *)(d + i * AUG_ROWS), a##i)
+        AUG_LD(0); AUG_LD(1); AUG_LD(2); AUG_LD(3); AUG_LD(4); AUG_LD(5); AUG_LD(6); AUG_LD(7);
+        AUG_LD(8); AUG_LD(9); AUG_LD(10); AUG_LD(11); AUG_LD(12); AUG_LD(13); AUG_LD(14); AUG_LD(15);
+        AUG_T32_ROUNDS;
+        AUG_ST(0), AUG_ST(1), AUG_ST(2), AUG_ST(3), AUG_ST(4), AUG_ST(5), AUG_ST(6), AUG_ST(7);
+        AUG_ST(8), AUG_ST(9), AUG_ST(10), AUG_ST(11), AUG_ST(12), AUG_ST(13), AUG_ST(14), AUG_ST(15);
+#undef AUG_LD
+#undef AUG_ST
+    }
+}
+
+/* out: register i = column x + i (rows 0-15 low, 16-31 high); after the rounds register j holds row j (low) and
+ * row j + 16 (high) of columns x..x+15. */
+AUG_AVX2_FN static void aug_strip_out_avx2(const uint8_t *cols, int64_t xw, uint8_t *o) {
+    for (int64_t x = 0; x < xw; x += 16) {
+        x = x + 16 <= xw ? x : xw - 16;
+        const uint8_t *s = cols + x * AUG_ROWS;
+        uint8_t *d = o + x;
+#define AUG_LD(i) __m256i a##i = _mm256_loadu_si256((const __m256i *)(s + i * AUG_ROWS))
+#define AUG_ST(i)                                                                                                      \
+    _mm_storeu_si128((__m128i *)(d + i * xw), _mm256_castsi256_si128(a##i)),                                           \
+        _mm_storeu_si128((__m128i *)(d + (i + 16) * xw), _mm256_extracti128_si256(a##i, 1))
+        AUG_LD(0); AUG_LD(1); AUG_LD(2); AUG_LD(3); AUG_LD(4); AUG_LD(5); AUG_LD(6); AUG_LD(7);
+        AUG_LD(8); AUG_LD(9); AUG_LD(10); AUG_LD(11); AUG_LD(12); AUG_LD(13); AUG_LD(14); AUG_LD(15);
+        AUG_T32_ROUNDS;
+        AUG_ST(0), AUG_ST(1), AUG_ST(2), AUG_ST(3), AUG_ST(4), AUG_ST(5), AUG_ST(6), AUG_ST(7);
+        AUG_ST(8), AUG_ST(9), AUG_ST(10), AUG_ST(11), AUG_ST(12), AUG_ST(13), AUG_ST(14), AUG_ST(15);
+#undef AUG_LD
+#undef AUG_ST
+    }
+}
+#endif
+
+/* The dot products and strip transposes this CPU runs best. */
+typedef struct {
+    void (*hcols)(const uint8_t *, int64_t, const AugTaps *, int64_t, int64_t, int64_t, uint8_t *);
+    void (*vrow)(const uint8_t *, int64_t, const AugTaps *, int64_t, uint8_t *);
+    void (*strip_in)(const uint8_t *, int64_t, int64_t, uint8_t *);
+    void (*strip_out)(const uint8_t *, int64_t, uint8_t *);
+} AugOps;
+
+static AugOps aug_ops(void) {
+#ifdef AUG_AVX2
+    if (__builtin_cpu_supports("avx2"))
+        return (AugOps){aug_hcols_avx2, aug_vrow_avx2, aug_strip_in_avx2, aug_strip_out_avx2};
+#endif
+#ifdef AUG_SSE2
+    return (AugOps){aug_hcols_sse2, aug_vrow_sse2, aug_strip_in_base, aug_strip_out_base};
+#else
+    return (AugOps){aug_hcols_c, aug_vrow_c, aug_strip_in_base, aug_strip_out_base};
+#endif
+}
+
+/* Where one image's passes run: output rows y0..y1 and columns x0..x1 of the window inside the resized image,
+ * reading the box's rows r_lo..r_hi (those the vertical taps of y0..y1 reach) into an intermediate xw wide. */
+typedef struct {
+    int64_t y0, y1, x0, x1, r_lo, r_hi, xw;
+} AugSpan;
+
+/* The horizontal pass of the box's rows [r_lo, r_hi) for nch channels into out (channel ch's rows at
+ * out + ch * (r_hi - r_lo) * xw). src: the box's top-left pixel, pixel step sx, row step sy; channel ch at
+ * src + ch. 32 rows at a time, the last 32 overlapping the ones before (the same values written twice): the
+ * strip's bytes are transposed into 32-byte columns (strip[b * 32 + r] = byte b of row r; with sx == nch the
+ * pixels of a row are contiguous bytes and go by 16 x 16 blocks, the last block of a row overlapping too), so
+ * each output's taps are a dot product of 32 lanes; the outputs (cols, column-major) are transposed back into
+ * the rows of out. Fewer than 32 rows in all: one strip gathered byte by byte, its other lanes unused. */
+static void aug_horizontal(const AugOps *ops, const uint8_t *src, int64_t sx, int64_t sy, int64_t nch,
+                           const AugSpan *sp, const AugTaps *tx, uint8_t *strip, uint8_t *cols, uint8_t *out) {
+    int64_t x0 = sp->x0, x1 = sp->x1, xw = sp->xw, rows = sp->r_hi - sp->r_lo;
+    int64_t c0 = tx->lo[x0], c1 = tx->lo[x1 - 1] + tx->n[x1 - 1], bytes = (c1 - c0) * nch;
+    const uint8_t *first = src + c0 * sx; /* column c0 of the box's row 0 */
+    for (int64_t r0 = sp->r_lo; r0 < sp->r_hi; r0 += AUG_ROWS) {
+        int64_t R = rows < AUG_ROWS ? rows : AUG_ROWS;
+        r0 = r0 + R <= sp->r_hi ? r0 : sp->r_hi - R;
+        const uint8_t *row0 = first + r0 * sy;
+        if (R == AUG_ROWS && sx == nch && bytes >= 16) {
+            ops->strip_in(row0, sy, bytes, strip);
+        } else {
+            for (int64_t r = 0; r < R; r++)
+                for (int64_t c = 0; c < c1 - c0; c++)
+                    for (int64_t ch = 0; ch < nch; ch++)
+                        strip[(c * nch + ch) * AUG_ROWS + r] = row0[r * sy + c * sx + ch];
+        }
+        for (int64_t ch = 0; ch < nch; ch++) {
+            uint8_t *o = out + (ch * rows + r0 - sp->r_lo) * xw;
+            ops->hcols(strip + ch * AUG_ROWS, nch * AUG_ROWS, tx, x0, x1, c0, cols);
+            if (R == AUG_ROWS && xw >= 16) {
+                ops->strip_out(cols, xw, o);
+            } else {
+                for (int64_t r = 0; r < R; r++)
+                    for (int64_t x = 0; x < xw; x++) o[r * xw + x] = cols[x * AUG_ROWS + r];
+            }
+        }
+    }
+}
+
+/* The image's rows [r_lo, r_hi) of nch channels (as aug_horizontal) into out without a horizontal resize. */
+static void aug_copy_rows(const uint8_t *src, int64_t sx, int64_t sy, int64_t nch, const AugSpan *sp, uint8_t *out) {
+    int64_t rows = sp->r_hi - sp->r_lo;
+    for (int64_t ch = 0; ch < nch; ch++)
+        for (int64_t r = sp->r_lo; r < sp->r_hi; r++) {
+            uint8_t *o = out + (ch * rows + r - sp->r_lo) * sp->xw;
+            const uint8_t *in = src + r * sy + sp->x0 * sx + ch;
+            if (sx == 1)
+                memcpy(o, in, (size_t)sp->xw);
+            else
+                for (int64_t x = 0; x < sp->xw; x++) o[x] = in[x * sx];
+        }
+}
+
+/* One channel's intermediate (tmp: rows r_lo..r_hi, xw wide) through the vertical pass into plane (oh x ow,
+ * zero outside the resized image): s->plane, or the channel's rows of the batch themselves. */
+static void aug_vertical(const AugOps *ops, const uint8_t *tmp, const AugSpan *sp, const int64_t b[8],
+                         const AugTaps *ty, const AugPlan *p, uint8_t *plane) {
+    int64_t oy = b[6], ox = b[7], xw = sp->xw;
+    if (sp->y0 != oy || sp->x0 != ox || sp->y1 != oy + p->oh || sp->x1 != ox + p->ow)
+        memset(plane, 0, (size_t)(p->oh * p->ow));
+    if (sp->y0 >= sp->y1 || sp->x0 >= sp->x1) return; /* the window misses the resized image */
+    for (int64_t y = sp->y0; y < sp->y1; y++) {
+        uint8_t *out = plane + (y - oy) * p->ow + (sp->x0 - ox);
+        if (ty)
+            ops->vrow(tmp + (ty->lo[y] - sp->r_lo) * xw, xw, ty, y, out);
+        else
+            memcpy(out, tmp + (y - sp->r_lo) * xw, (size_t)xw);
+    }
+}
+
+/* aug_write's loops are plain C that gcc vectorizes; target_clones adds an AVX2 copy, chosen at load time (ifunc),
+ * where the CPU has it. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
+#define AUG_CLONES_O3 __attribute__((target_clones("avx2", "default"), optimize("O3"))) /* reversed copies */
+#else
+#define AUG_CLONES_O3
+#endif
 
 /* s->plane of channel c into dest: flipped or not, through the table or not, CHW or channels-last. */
 AUG_CLONES_O3
@@ -320,14 +627,18 @@ static int aug_image(const uint8_t *src, int64_t H, int64_t W, int64_t C, int hw
     if (b[4] > AUG_MAX_SIDE || b[5] > AUG_MAX_SIDE) return FILL_OTHER; /* the torch path does it (slowly) */
     AugTaps tx = {0}, ty = {0};
     int bad = (b[5] != b[3] && aug_taps(b[3], b[5], &tx) < 0) || (b[4] != b[2] && aug_taps(b[2], b[4], &ty) < 0);
-    size_t need = (size_t)(b[2] * p->ow); /* the rows a channel's vertical pass reads, at most the box's */
+    /* HWC with few channels: one strip of interleaved pixels gives every channel's horizontal pass, so the
+     * intermediate holds them all; otherwise (CHW, or many channels) one channel at a time. */
+    int fuse = hwc && C <= 4;
+    int64_t nch = fuse ? C : 1, sx = hwc ? C : 1, sy = hwc ? W * C : W;
+    size_t need = (size_t)(b[2] * p->ow * nch); /* the rows a channel's vertical pass reads, at most the box's */
     if (!bad && need > s->tmp_size) {
         free(s->tmp);
         s->tmp = malloc(need);
         s->tmp_size = s->tmp ? need : 0;
         bad = s->tmp == NULL;
     }
-    size_t strip = (size_t)(b[3] * AUG_ROWS); /* the box's columns, 16 rows of them */
+    size_t strip = (size_t)(b[3] * nch * AUG_ROWS); /* the box's columns, 32 rows of them */
     if (!bad && strip > s->strip_size) {
         free(s->strip);
         s->strip = calloc(strip, 1); /* lanes past a strip's last row are computed, never used: initialized */
@@ -338,10 +649,29 @@ static int aug_image(const uint8_t *src, int64_t H, int64_t W, int64_t C, int hw
         aug_taps_free(&tx), aug_taps_free(&ty);
         return AUG_NOMEM;
     }
+    AugOps ops = aug_ops();
+    const AugTaps *px = tx.w ? &tx : NULL, *py = ty.w ? &ty : NULL;
+    int64_t top = b[0], left = b[1], rh = b[4], rw = b[5], oy = b[6], ox = b[7];
+    AugSpan sp;
+    sp.y0 = oy > 0 ? oy : 0, sp.y1 = oy + p->oh < rh ? oy + p->oh : rh;
+    sp.x0 = ox > 0 ? ox : 0, sp.x1 = ox + p->ow < rw ? ox + p->ow : rw;
+    int empty = sp.y0 >= sp.y1 || sp.x0 >= sp.x1; /* the window misses the resized image: zeros */
+    sp.xw = sp.x1 - sp.x0;
+    sp.r_lo = empty ? 0 : py ? py->lo[sp.y0] : sp.y0;
+    sp.r_hi = empty ? 0 : py ? py->lo[sp.y1 - 1] + py->n[sp.y1 - 1] : sp.y1;
     for (int64_t c = 0; c < C; c++) {
-        const uint8_t *at = hwc ? src + c : src + c * H * W;
-        aug_channel(at, hwc ? C : 1, hwc ? W * C : W, b, tx.w ? &tx : NULL, ty.w ? &ty : NULL, p, s);
-        aug_write(p, s->plane, c, C, flip, dest);
+        const uint8_t *box = (hwc ? src + c : src + c * H * W) + top * sy + left * sx;
+        if (!empty && (!fuse || c == 0)) {
+            if (px)
+                aug_horizontal(&ops, box, sx, sy, nch, &sp, px, s->strip, s->cols, s->tmp);
+            else
+                aug_copy_rows(box, sx, sy, nch, &sp, s->tmp);
+        }
+        const uint8_t *tmp = s->tmp + (fuse ? c * (sp.r_hi - sp.r_lo) * sp.xw : 0);
+        /* uint8 CHW unflipped: the plane is the channel's slice of dest, written in place (no copy) */
+        int direct = p->kind == 0 && !p->channels_last && !flip;
+        aug_vertical(&ops, tmp, &sp, b, py, p, direct ? dest + c * p->oh * p->ow : s->plane);
+        if (!direct) aug_write(p, s->plane, c, C, flip, dest);
     }
     aug_taps_free(&tx), aug_taps_free(&ty);
     return FILL_OK;
@@ -514,12 +844,13 @@ done:
     Py_ssize_t j = lo;
     Py_BEGIN_ALLOW_THREADS
     s.plane = malloc((size_t)(p.oh * p.ow));
-    if (!s.plane) status = AUG_NOMEM;
+    s.cols = malloc((size_t)(p.ow * AUG_ROWS)); /* a strip's outputs, column-major */
+    if (!s.plane || !s.cols) status = AUG_NOMEM;
     for (; status == FILL_OK && j < hi; j++) {
         status = aug_row(&m, (const uint8_t *)held.buf + j * SPAN, &t, &p, out, (uint8_t *)scalars.buf, (uint64_t)j, &s);
         if (status != FILL_OK) break;
     }
-    free(s.plane), free(s.tmp), free(s.strip);
+    free(s.plane), free(s.cols), free(s.tmp), free(s.strip);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&held);
     for (Py_ssize_t f = 0; f < t.nfields; f++) PyBuffer_Release(&out[f]);
