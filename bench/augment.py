@@ -150,6 +150,7 @@ def main() -> None:
         for _ in range(args.reps):
             listed.append(trainer(fused))
             slow.append(trainer(Loader(ds, BATCH, shuffle=True, num_threads=2, augment=steps)))
+        ds.close()  # before the directory goes: the exit's flush would find it gone
         report(figures, statistics.median(slow) / statistics.median(listed), args)
 
 
