@@ -991,17 +991,8 @@ static PyObject *batch_spans(TreeObject *t, PyObject *indices, PyObject *verifie
     }
     int rc = LK_OK;
     Py_ssize_t k;
-    /* The GIL is released for work that takes long: a table's build, or walks down the tree. Lookups in a table
-     * take less time than handing the GIL to another thread and back (the loader's consumer waits for it). */
-    PyThreadState *saved = NULL;
-    if (t->table_state == 0 && t->lookups + (uint64_t)n >= t->threshold) {
-        Py_BEGIN_ALLOW_THREADS
-        tree_index(t, (uint64_t)n, 0);
-        Py_END_ALLOW_THREADS
-    } else {
-        tree_index(t, (uint64_t)n, 0);
-    }
-    if (t->table == NULL || n > 4096) saved = PyEval_SaveThread();
+    Py_BEGIN_ALLOW_THREADS
+    tree_index(t, (uint64_t)n, 0);
     for (k = 0; k < n; k++) {
         uint8_t *rec = spans + k * SPAN;
         uint64_t index, offset = 0, size = 0;
@@ -1013,7 +1004,7 @@ static PyObject *batch_spans(TreeObject *t, PyObject *indices, PyObject *verifie
         memcpy(rec + 8, &size, 8);
         rec[24] = always || !have_verified || index >= (uint64_t)vb.len || !((const uint8_t *)vb.buf)[index];
     }
-    if (saved != NULL) PyEval_RestoreThread(saved);
+    Py_END_ALLOW_THREADS
     if (have_verified) PyBuffer_Release(&vb);
     return Py_BuildValue("inN", rc, rc ? k : (Py_ssize_t)0, blob);
 }
@@ -1391,7 +1382,6 @@ static PyTypeObject TreeType = {
 enum { FILL_OK = 0, FILL_OTHER = 1, FILL_STRUCTURE = 2, FILL_LENGTHS = 3, FILL_DATA = 4, FILL_SPAN = 5 };
 
 #define MAX_FIELDS 255 /* MAX_FLAT_ITEMS */
-#define FILL_NOGIL_MIN (1 << 20) /* bytes of a slice from which fill releases the GIL (lmdbcache.loader._pass.INLINE) */
 
 PyDoc_STRVAR(py_fill_doc,
              "fill(base, length, spans, lo, hi, plan, dests, scalar_dest, /) -> (status, row)\n\n"
@@ -1479,9 +1469,7 @@ done:
     const uint8_t *spans = (const uint8_t *)held.buf;
     int status = FILL_OK;
     Py_ssize_t j;
-    /* The GIL is released for copies that take long; a small slice takes less time than handing it to another
-     * thread and back (the loader's consumer waits for it: 3x32x32, a batch of 64 is 200 KB). */
-    PyThreadState *saved = (uint64_t)(hi - lo) * value_size >= FILL_NOGIL_MIN ? PyEval_SaveThread() : NULL;
+    Py_BEGIN_ALLOW_THREADS
     for (j = lo; j < hi; j++) {
         const uint8_t *rec = spans + j * SPAN;
         uint64_t offset = le64(rec), size = le64(rec + 8), index = le64(rec + 16);
@@ -1520,7 +1508,7 @@ done:
         }
         if (scalar_size) memcpy((uint8_t *)scalars.buf + (uint64_t)j * scalar_size, v + scalars_at, scalar_size);
     }
-    if (saved != NULL) PyEval_RestoreThread(saved);
+    Py_END_ALLOW_THREADS
     PyBuffer_Release(&held);
     for (Py_ssize_t f = 0; f < nfields; f++) PyBuffer_Release(&out[f]);
     PyBuffer_Release(&scalars);
