@@ -503,7 +503,17 @@ static int tree_find(const Map *m, uint64_t root, unsigned depth, const uint8_t 
 }
 
 /* Where a plain value (no F_SUBDATA / F_DUPDATA) of a leaf node lies in the file: (offset, size). */
+static int leaf_value_lazy(const Map *m, const uint8_t *p, const uint8_t *nd, uint64_t *offset, uint64_t *size,
+                           int *unchecked);
 static int leaf_value(const Map *m, const uint8_t *p, const uint8_t *nd, uint64_t *offset, uint64_t *size) {
+    return leaf_value_lazy(m, p, nd, offset, size, NULL);
+}
+
+/* leaf_value; with ``unchecked`` not NULL, the first overflow page's own number is not read (that would touch
+ * the page: the location table's walk touches only the tree's pages) but left to the reader: *unchecked set,
+ * overflow_header() must pass before any byte of the value is used. */
+static int leaf_value_lazy(const Map *m, const uint8_t *p, const uint8_t *nd, uint64_t *offset, uint64_t *size,
+                           int *unchecked) {
     uint16_t flags = le16(nd + 4);
     uint64_t sz = (uint64_t)le16(nd) | (uint64_t)le16(nd + 2) << 16;
     uint64_t data = (uint64_t)(nd - p) + 8 + le16(nd + 6); /* in the page, checked <= psize by node_at */
@@ -512,9 +522,14 @@ static int leaf_value(const Map *m, const uint8_t *p, const uint8_t *nd, uint64_
         if (data + 8 > m->psize) return LK_DATA;
         uint64_t pgno = le64(p + data);
         const uint8_t *ov;
-        int rc = page_at(m, pgno, &ov);
-        if (rc) return rc == LK_PAGE ? LK_OVERFLOW : rc;
-        (void)ov;
+        if (unchecked != NULL) {
+            if (pgno >= m->npages) return LK_OVERFLOW; /* page_at's first check; its second is overflow_header's */
+            *unchecked = 1;
+        } else {
+            int rc = page_at(m, pgno, &ov);
+            if (rc) return rc == LK_PAGE ? LK_OVERFLOW : rc;
+            (void)ov;
+        }
         /* The value must lie inside the mapped file. Its page count (mp_pages) is not relied on: LMDB's read
          * does not use it either, and a file the Python path reads must read here too. */
         if (sz > m->len - (pgno * m->psize + PAGE_HEADER)) return LK_OVERFLOW;
@@ -526,6 +541,13 @@ static int leaf_value(const Map *m, const uint8_t *p, const uint8_t *nd, uint64_
     *offset = (uint64_t)(p - m->base) + data;
     *size = sz;
     return LK_OK;
+}
+
+/* The check leaf_value_lazy left to the reader: the overflow page of the value at ``offset`` (its page's start
+ * plus the header, below m->len) carries its own number (page_at's second check, worded as leaf_value words it). */
+static inline int overflow_header(const Map *m, uint64_t offset) {
+    uint64_t start = offset - PAGE_HEADER;
+    return le64(m->base + start) == start / m->psize ? LK_OK : LK_HEADER;
 }
 
 /* A named database's root, depth and flags, read from the meta page of ``txnid`` and the main database. */
@@ -743,6 +765,145 @@ static int locate_index(const Map *m, uint64_t root, unsigned depth, Groups *see
     return *size == GROUP_POINTER ? group_value(m, root, depth, seen, offset, size) : LK_OK;
 }
 
+/* ------------------------------------------------------------------------------------------
+ * The location table (issue 24): where every index's value lies in one snapshot, found by one walk over the
+ * samples tree's pages, so that a read of a large cache costs one lookup instead of a walk down the tree. An
+ * entry is (offset, size): offset 0 (the meta page: no value lies there) means "not located here", with size 0
+ * (no record: NOTFOUND) or the lookup's error code for that index. The walk checks what tree_find checks on its
+ * way to any key, and more: branch keys in order, every key inside the range its parents route to that page,
+ * keys strictly increasing, at most one visit per page of the map (a cycle ends the walk). So tree_find finds
+ * exactly the keys the walk found, with the values leaf_value locates: a lookup in the table answers what
+ * locate_index answers. Any failure of the walk itself leaves no table: every read then walks the tree. */
+
+typedef struct {
+    uint64_t offset, size;
+} Loc;
+
+/* The kind of a located entry, in the top bits of its size: a value (its overflow page's own number not read yet:
+ * LOC_UNCHECKED), or the pack record holding the index's value (its slot read by the reader: pack_value). */
+#define LOC_UNCHECKED (1ULL << 63)
+#define LOC_PACK (1ULL << 62)
+#define LOC_SIZE (LOC_PACK - 1)
+
+#define TABLE_MAX (1ULL << 27) /* entries: a dataset length past this (2 GB of table) keeps walking the tree */
+
+typedef struct {
+    const uint8_t *p;
+    unsigned i, n;
+    const uint8_t *lo, *hi; /* the keys this page may hold: [lo, hi); NULL: unbounded */
+    unsigned lolen, hilen;
+} Frame;
+
+/* The value of leaf node ``nd`` (key ``k`` of ``ks`` bytes) entered into ``table`` as locate_index would answer
+ * for the indices it holds; ``*covered`` is the end of the last pack's indices (a single record there loses). */
+static void table_enter(const Map *m, uint64_t root, unsigned depth, Groups *seen, const uint8_t *p,
+                        const uint8_t *nd, const uint8_t *k, unsigned ks, uint64_t pack, uint64_t length, Loc *table,
+                        uint64_t *covered_lo, uint64_t *covered_hi) {
+    uint64_t at = 0, sz = 0;
+    if (ks == 9 && k[8] == 'P' && pack) {
+        uint64_t first = 0;
+        for (int b = 0; b < 8; b++) first = first << 8 | k[b];
+        if (first % pack || first >= length) return; /* never looked up: locate_index asks for first = i - i % pack */
+        uint64_t n = length - first < pack ? length - first : pack;
+        int unchecked = 0;
+        int rc = leaf_value_lazy(m, p, nd, &at, &sz, &unchecked);
+        uint64_t kind = LOC_PACK | (unchecked ? LOC_UNCHECKED : 0);
+        for (uint64_t j = 0; j < n; j++) /* its slots are read by the reader (tree_locate): not a page touched here */
+            table[first + j] = rc ? (Loc){0, (uint64_t)rc} : (Loc){at, sz | kind};
+        *covered_lo = first;
+        *covered_hi = first + n;
+        return;
+    }
+    if (ks != 8) return; /* a group's record (or another key): never an index's */
+    uint64_t index = 0;
+    for (int b = 0; b < 8; b++) index = index << 8 | k[b];
+    if (index >= length || (index >= *covered_lo && index < *covered_hi)) return; /* past the table; or packed */
+    int unchecked = 0;
+    int rc = leaf_value_lazy(m, p, nd, &at, &sz, &unchecked);
+    if (rc == LK_OK && sz == GROUP_POINTER) {
+        if (unchecked) rc = overflow_header(m, at); /* a pointer is read now: its page checked first */
+        unchecked = 0;
+        if (rc == LK_OK) rc = group_value(m, root, depth, seen, &at, &sz);
+    }
+    table[index] = rc ? (Loc){0, (uint64_t)rc} : (Loc){at, sz | (unchecked ? LOC_UNCHECKED : 0)};
+}
+
+/* The bounds of the next child of branch ``f`` (node f->i): the tighter of its parent's and its own separators,
+ * node i's key (i > 0; node 0's stands for "anything lower") and node i + 1's, which must be in order. */
+static int child_bounds(const Map *m, const Frame *f, Frame *c) {
+    const uint8_t *nd, *k = NULL, *next;
+    unsigned ks = 0, nks;
+    c->lo = f->lo, c->lolen = f->lolen, c->hi = f->hi, c->hilen = f->hilen;
+    if (f->i > 0) {
+        if (node_at(m, f->p, f->i, &nd, &k, &ks)) return -1;
+        if (c->lo == NULL || key_cmp(k, ks, c->lo, c->lolen) > 0) c->lo = k, c->lolen = ks;
+    }
+    if (f->i + 1 < f->n) {
+        if (node_at(m, f->p, f->i + 1, &nd, &next, &nks)) return -1;
+        if (k != NULL && key_cmp(k, ks, next, nks) >= 0) return -1; /* separators out of order */
+        if (c->hi == NULL || key_cmp(next, nks, c->hi, c->hilen) < 0) c->hi = next, c->hilen = nks;
+    }
+    return 0;
+}
+
+/* The table of the tree under ``root`` for indices [0, length): a new array (PyMem_RawFree it), or NULL (no
+ * memory, or a walk that failed a check: the reads walk the tree, and meet the damage where it lies). */
+static Loc *table_build(const Map *m, uint64_t root, unsigned depth, uint64_t pack, uint64_t length) {
+    if (length == 0 || length > TABLE_MAX) return NULL;
+    Loc *table = PyMem_RawCalloc((size_t)length, sizeof(Loc));
+    Groups *seen = PyMem_RawCalloc(1, sizeof(Groups));
+    if (table == NULL || seen == NULL) goto fail;
+    if (root == NO_ROOT) goto done;
+    Frame stack[MAX_DEPTH];
+    unsigned top = 0;
+    uint64_t visits = 0, covered_lo = 1, covered_hi = 0;
+    const uint8_t *last = NULL;
+    unsigned lastlen = 0;
+    uint64_t pgno = root;
+    Frame parent = {NULL, 0, 0, NULL, NULL, 0, 0};
+    for (;;) {
+        /* Enter page pgno, bounded by ``parent``'s lo/hi. */
+        const uint8_t *p, *nd, *k;
+        unsigned n, ks;
+        if (++visits > m->npages || page_at(m, pgno, &p) || page_keys(m, p, &n)) goto fail;
+        uint16_t flags = le16(p + 10);
+        if (flags & P_BRANCH) {
+            if ((flags & (P_LEAF | P_LEAF2 | P_OVERFLOW | P_META)) || n == 0 || top + 1 >= MAX_DEPTH) goto fail;
+            stack[top] = (Frame){p, 0, n, parent.lo, parent.hi, parent.lolen, parent.hilen};
+            top++;
+        } else {
+            if (!(flags & P_LEAF) || (flags & (P_BRANCH | P_LEAF2 | P_OVERFLOW | P_META))) goto fail;
+            for (unsigned i = 0; i < n; i++) {
+                if (node_at(m, p, i, &nd, &k, &ks)) goto fail;
+                if ((last && key_cmp(last, lastlen, k, ks) >= 0) || (parent.lo && key_cmp(k, ks, parent.lo, parent.lolen) < 0) ||
+                    (parent.hi && key_cmp(k, ks, parent.hi, parent.hilen) >= 0))
+                    goto fail; /* out of order, or where tree_find would not look for it */
+                last = k, lastlen = ks;
+                table_enter(m, root, depth, seen, p, nd, k, ks, pack, length, table, &covered_lo, &covered_hi);
+            }
+        }
+        /* The next child to enter: the deepest branch with one left. */
+        for (;;) {
+            if (top == 0) goto done;
+            Frame *f = &stack[top - 1];
+            if (f->i < f->n) {
+                if (child_bounds(m, f, &parent) || node_at(m, f->p, f->i, &nd, &k, &ks)) goto fail;
+                pgno = (uint64_t)le16(nd) | (uint64_t)le16(nd + 2) << 16 | (uint64_t)le16(nd + 4) << 32;
+                f->i++;
+                break;
+            }
+            top--;
+        }
+    }
+done:
+    PyMem_RawFree(seen);
+    return table;
+fail:
+    PyMem_RawFree(seen);
+    PyMem_RawFree(table);
+    return NULL;
+}
+
 PyDoc_STRVAR(py_locate_batch_doc,
              "locate_batch(base, length, psize, root, depth, indices, pack, dataset_length, verified, always,\n"
              "             advise_min=0, /) -> (code, k, spans)\n\n"
@@ -752,57 +913,6 @@ PyDoc_STRVAR(py_locate_batch_doc,
              "(``always``, ``verified`` None, past its end, or its byte 0). code 0: all found; else the code\n"
              "(NOTFOUND or an error) of indices[k], the first that failed. A value of advise_min bytes or more\n"
              "(0: none) whose first page is not in memory is announced to the kernel before it is read.");
-
-static PyObject *py_locate_batch(PyObject *self, PyObject *args) {
-    unsigned long long base, len, psize, root, pack, length;
-    unsigned int depth;
-    unsigned long long advise_min = 0;
-    PyObject *indices, *verified;
-    int always;
-    Map m;
-    if (!PyArg_ParseTuple(args, "KKKKIO!KKOp|K:locate_batch", &base, &len, &psize, &root, &depth, &PyList_Type,
-                          &indices, &pack, &length, &verified, &always, &advise_min))
-        return NULL;
-    if (map_from(&m, base, len, psize) < 0) return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(indices);
-    PyObject *blob = PyByteArray_FromStringAndSize(NULL, n * SPAN);
-    if (blob == NULL) return NULL;
-    uint8_t *spans = (uint8_t *)PyByteArray_AS_STRING(blob);
-    memset(spans, 0, (size_t)n * SPAN);
-    for (Py_ssize_t k = 0; k < n; k++) {
-        uint64_t index = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(indices, k));
-        if (index == (uint64_t)-1 && PyErr_Occurred()) {
-            Py_DECREF(blob);
-            return NULL;
-        }
-        memcpy(spans + k * SPAN + 16, &index, 8);
-    }
-    Py_buffer vb = {0};
-    int have_verified = verified != Py_None;
-    if (have_verified && PyObject_GetBuffer(verified, &vb, PyBUF_SIMPLE) < 0) {
-        Py_DECREF(blob);
-        return NULL;
-    }
-    int rc = LK_OK;
-    Py_ssize_t k;
-    Groups *seen = PyMem_Calloc(1, sizeof(Groups)); /* NULL (no memory): every group looked up */
-    Py_BEGIN_ALLOW_THREADS
-    for (k = 0; k < n; k++) {
-        uint8_t *rec = spans + k * SPAN;
-        uint64_t index, offset = 0, size = 0;
-        memcpy(&index, rec + 16, 8);
-        rc = locate_index(&m, root, depth, seen, index, pack, length, &offset, &size);
-        if (rc) break;
-        if (advise_min && size >= advise_min) advise_if_cold(&m, offset, size);
-        memcpy(rec, &offset, 8);
-        memcpy(rec + 8, &size, 8);
-        rec[24] = always || !have_verified || index >= (uint64_t)vb.len || !((const uint8_t *)vb.buf)[index];
-    }
-    Py_END_ALLOW_THREADS
-    PyMem_Free(seen);
-    if (have_verified) PyBuffer_Release(&vb);
-    return Py_BuildValue("inN", rc, rc ? k : (Py_ssize_t)0, blob);
-}
 
 PyDoc_STRVAR(py_locate_index_doc,
              "locate_index(base, length, psize, root, depth, index, pack, dataset_length, advise_min, /)\n"
@@ -856,7 +966,46 @@ typedef struct {
     uint64_t root, pack, length, advise_min;
     unsigned depth;
     Groups groups; /* zeroed by tp_alloc */
+    Loc *table;    /* the location table (table_build), once built; NULL: every read walks the tree */
+    uint64_t lookups, threshold; /* indices located so far; the table is built when they pass the threshold */
+    int table_state;             /* 0: not tried yet; 1: built (or being built); -1: the walk failed */
 } TreeObject;
+
+/* Build the table now (``force``) or once enough lookups paid for it: the walk reads every leaf page, about
+ * what length / table_every lookups down the tree cost (plus table_min: a few reads never pay for it). The store's lock is held by every caller. */
+static uint64_t table_every = 32, table_min = 256; /* set_table_threshold */
+static void tree_index(TreeObject *t, uint64_t count, int force) {
+    if (t->table_state != 0 || (!force && (t->lookups += count) < t->threshold)) return;
+    t->table_state = 1; /* no second build while this one runs (without the GIL, in a batch) */
+    t->table = table_build(&t->m, t->root, t->depth, t->pack, t->length);
+    if (t->table == NULL) t->table_state = -1;
+}
+
+/* locate_index, answered by the table when there is one. */
+static int tree_locate(TreeObject *t, uint64_t index, uint64_t *offset, uint64_t *size) {
+    if (t->table != NULL && index < t->length) {
+        Loc e = t->table[index];
+        if (e.offset == 0) return e.size ? (int)e.size : LK_NOTFOUND;
+        uint64_t sz = e.size & LOC_SIZE;
+        if (sz > t->m.len || e.offset > t->m.len - sz) return LK_OVERFLOW; /* checked by the walk: again */
+        int rc = e.size & LOC_UNCHECKED ? overflow_header(&t->m, e.offset) : LK_OK;
+        if (rc) return rc;
+        if (!(e.size & LOC_PACK)) {
+            *offset = e.offset;
+            *size = sz;
+            return LK_OK;
+        }
+        uint64_t first = index - index % t->pack, n = t->length - first < t->pack ? t->length - first : t->pack;
+        return pack_value(&t->m, e.offset, sz, index - first, n, offset, size);
+    }
+    return locate_index(&t->m, t->root, t->depth, &t->groups, index, t->pack, t->length, offset, size);
+}
+
+static void tree_dealloc(PyObject *self) {
+    TreeObject *t = (TreeObject *)self;
+    PyMem_RawFree(t->table);
+    Py_TYPE(self)->tp_free(self);
+}
 
 static PyObject *tree_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     unsigned long long base, len, psize, root, pack, length, advise_min;
@@ -878,7 +1027,121 @@ static PyObject *tree_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     t->pack = pack;
     t->length = length;
     t->advise_min = advise_min;
+    t->threshold = length / table_every + table_min;
     return (PyObject *)t;
+}
+
+/* The spans of a batch (see locate_batch) located in ``t`` (its table when it has one), the GIL released. */
+static PyObject *batch_spans(TreeObject *t, PyObject *indices, PyObject *verified, int always) {
+    Py_ssize_t n = PyList_GET_SIZE(indices);
+    PyObject *blob = PyByteArray_FromStringAndSize(NULL, n * SPAN);
+    if (blob == NULL) return NULL;
+    uint8_t *spans = (uint8_t *)PyByteArray_AS_STRING(blob);
+    memset(spans, 0, (size_t)n * SPAN);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        uint64_t index = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(indices, k));
+        if (index == (uint64_t)-1 && PyErr_Occurred()) {
+            Py_DECREF(blob);
+            return NULL;
+        }
+        memcpy(spans + k * SPAN + 16, &index, 8);
+    }
+    Py_buffer vb = {0};
+    int have_verified = verified != Py_None;
+    if (have_verified && PyObject_GetBuffer(verified, &vb, PyBUF_SIMPLE) < 0) {
+        Py_DECREF(blob);
+        return NULL;
+    }
+    int rc = LK_OK;
+    Py_ssize_t k;
+    Py_BEGIN_ALLOW_THREADS
+    tree_index(t, (uint64_t)n, 0);
+    for (k = 0; k < n; k++) {
+        uint8_t *rec = spans + k * SPAN;
+        uint64_t index, offset = 0, size = 0;
+        memcpy(&index, rec + 16, 8);
+        rc = tree_locate(t, index, &offset, &size);
+        if (rc) break;
+        if (t->advise_min && size >= t->advise_min) advise_if_cold(&t->m, offset, size);
+        memcpy(rec, &offset, 8);
+        memcpy(rec + 8, &size, 8);
+        rec[24] = always || !have_verified || index >= (uint64_t)vb.len || !((const uint8_t *)vb.buf)[index];
+    }
+    Py_END_ALLOW_THREADS
+    if (have_verified) PyBuffer_Release(&vb);
+    return Py_BuildValue("inN", rc, rc ? k : (Py_ssize_t)0, blob);
+}
+
+static PyObject *py_locate_batch(PyObject *self, PyObject *args) {
+    unsigned long long base, len, psize, root, pack, length;
+    unsigned int depth;
+    unsigned long long advise_min = 0;
+    PyObject *indices, *verified;
+    int always;
+    if (!PyArg_ParseTuple(args, "KKKKIO!KKOp|K:locate_batch", &base, &len, &psize, &root, &depth, &PyList_Type,
+                          &indices, &pack, &length, &verified, &always, &advise_min))
+        return NULL;
+    TreeObject *t = PyMem_Calloc(1, sizeof(TreeObject)); /* not a Python object: only its fields are used */
+    if (t == NULL) return PyErr_NoMemory();
+    if (map_from(&t->m, base, len, psize) < 0) {
+        PyMem_Free(t);
+        return NULL;
+    }
+    t->root = root;
+    t->depth = depth > MAX_DEPTH ? MAX_DEPTH + 1 : depth;
+    t->pack = pack;
+    t->length = length;
+    t->advise_min = advise_min;
+    t->table_state = -1; /* one batch: no table */
+    PyObject *out = batch_spans(t, indices, verified, always);
+    PyMem_Free(t);
+    return out;
+}
+
+PyDoc_STRVAR(tree_locate_batch_doc,
+             "locate_batch(indices, verified, always, /) -> (code, k, spans)\n\n"
+             "locate_batch() in this tree: the location table answers once it is built (after enough lookups).");
+
+static PyObject *tree_locate_batch(PyObject *self, PyObject *args) {
+    PyObject *indices, *verified;
+    int always;
+    if (!PyArg_ParseTuple(args, "O!Op:locate_batch", &PyList_Type, &indices, &verified, &always)) return NULL;
+    return batch_spans((TreeObject *)self, indices, verified, always);
+}
+
+PyDoc_STRVAR(tree_build_doc,
+             "index(force, /) -> int\n\n"
+             "Build the location table now (``force``) or leave it to the lookups; returns its state: 0 not built\n"
+             "yet, 1 built, -1 the walk failed a check (every read walks the tree).");
+
+static PyObject *tree_build(PyObject *self, PyObject *arg) {
+    TreeObject *t = (TreeObject *)self;
+    int force = PyObject_IsTrue(arg);
+    if (force < 0) return NULL;
+    if (force && t->table_state == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        tree_index(t, 0, 1);
+        Py_END_ALLOW_THREADS
+    }
+    return PyLong_FromLong(t->table_state);
+}
+
+PyDoc_STRVAR(py_set_table_threshold_doc,
+             "set_table_threshold(minimum, every, /) -> (minimum, every)\n\n"
+             "Trees made from now on build their location table after ``length // every + minimum`` lookups\n"
+             "(every >= 1; minimum 0 and every 2**63: the first lookup builds it); returns the settings before.");
+
+static PyObject *py_set_table_threshold(PyObject *self, PyObject *args) {
+    unsigned long long minimum, every;
+    if (!PyArg_ParseTuple(args, "KK:set_table_threshold", &minimum, &every)) return NULL;
+    if (every == 0) {
+        PyErr_SetString(PyExc_ValueError, "set_table_threshold: every must be at least 1");
+        return NULL;
+    }
+    PyObject *out = Py_BuildValue("KK", (unsigned long long)table_min, (unsigned long long)table_every);
+    table_min = minimum;
+    table_every = every;
+    return out;
 }
 
 PyDoc_STRVAR(tree_value_doc,
@@ -892,7 +1155,8 @@ static PyObject *tree_value(PyObject *self, PyObject *arg) {
     unsigned long long index = PyLong_AsUnsignedLongLong(arg);
     if (index == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
     uint64_t offset = 0, size = 0;
-    int rc = locate_index(&t->m, t->root, t->depth, &t->groups, index, t->pack, t->length, &offset, &size);
+    tree_index(t, 1, 0);
+    int rc = tree_locate(t, index, &offset, &size);
     if (rc == LK_NOTFOUND) Py_RETURN_NONE;
     if (rc != LK_OK) return PyLong_FromLong(rc);
     if (t->advise_min && size >= t->advise_min) advise_if_cold(&t->m, offset, size);
@@ -1093,7 +1357,8 @@ static PyObject *tree_sample(PyObject *self, PyObject *const *args, Py_ssize_t n
         return NULL;
     }
     uint64_t offset = 0, size = 0;
-    int rc = locate_index(&t->m, t->root, t->depth, &t->groups, index, t->pack, t->length, &offset, &size);
+    tree_index(t, 1, 0);
+    int rc = tree_locate(t, index, &offset, &size);
     if (rc == LK_NOTFOUND) Py_RETURN_NONE;
     if (rc != LK_OK) return PyLong_FromLong(rc);
     int cold = t->advise_min && size >= t->advise_min && advise_if_cold(&t->m, offset, size);
@@ -1300,6 +1565,8 @@ static PyObject *py_address(PyObject *self, PyObject *arg) {
 static PyMethodDef tree_methods[] = {
     {"value", tree_value, METH_O, tree_value_doc},
     {"sample", (PyCFunction)(void (*)(void))tree_sample, METH_FASTCALL, tree_sample_doc},
+    {"locate_batch", tree_locate_batch, METH_VARARGS, tree_locate_batch_doc},
+    {"index", tree_build, METH_O, tree_build_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1310,6 +1577,7 @@ static PyTypeObject TreeType = {
     .tp_doc = "Tree(base, length, psize, root, depth, pack, dataset_length, advise_min, /): the samples tree of\n"
               "one snapshot (open_tree's root and depth) in the file mapped at base, for single reads (value).",
     .tp_new = tree_new,
+    .tp_dealloc = tree_dealloc,
     .tp_methods = tree_methods,
 };
 
@@ -1486,6 +1754,7 @@ static PyMethodDef core_methods[] = {
     {"open_tree", py_open_tree, METH_VARARGS, py_open_tree_doc},
     {"locate", py_locate, METH_VARARGS, py_locate_doc},
     {"locate_batch", py_locate_batch, METH_VARARGS, py_locate_batch_doc},
+    {"set_table_threshold", py_set_table_threshold, METH_VARARGS, py_set_table_threshold_doc},
     {"locate_index", (PyCFunction)(void (*)(void))py_locate_index, METH_FASTCALL, py_locate_index_doc},
     {"fill", py_fill, METH_VARARGS, py_fill_doc},
     {"mark_verified", py_mark_verified, METH_VARARGS, py_mark_verified_doc},

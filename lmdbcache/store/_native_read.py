@@ -75,52 +75,23 @@ def native_spans(r: Hits, txn: lmdb.Transaction, indices: list[int], always: boo
     """The batch's values located by the core (``Spans``), ``MISSING`` if one is absent, or None: no map
     address is known here (not Linux, or the guard could not find the map), so the Python path reads it.
 
-    A snapshot whose meta page was reused meanwhile is read again in a new transaction; a lookup that
-    fails is tried once more after the guard looks for the map and the file's size again (another process
-    may have grown the file since); a second failure is damage, worded as the guard words it.
+    Located in the read transaction's tree (``native_tree``: found once per snapshot), whose location table
+    answers once enough indices were looked up in it. A lookup that fails is tried once more after the guard
+    looks for the map and the file's size again (another process may have grown the file since); a second
+    failure is damage, worded as the guard words it.
     """
-    core, guard = _native.core, r._h._guard
-    assert core is not None
-    if guard is None:
-        return None
-    refreshed = False
-    for _ in range(8):
-        base, length, view = guard.mapping()
-        if not base:
-            return None
-        psize = guard.page_size
-        code, root, depth = core.open_tree(base, length, psize, txn.id(), b"samples")
-        if code == _native.RETRY:
-            r._drop_reader()
-            txn = r._reader()
-            continue
-        k = -1
+    tree = native_tree(r, txn)
+    for attempt in range(2):
+        if tree[1] is None:
+            return None  # the Python path reads in this transaction (no map address, no samples database)
+        code, k, blob = tree[7].__self__.locate_batch(indices, r._verified, always)
         if code == _native.OK:
-            code, k, blob = core.locate_batch(
-                base,
-                length,
-                psize,
-                root,
-                depth,
-                indices,
-                r._h._pack,
-                r._h._length,
-                r._verified,
-                always,
-                PREFETCH_MIN,
-            )
-            if code == _native.OK:
-                return Spans(base, length, view, blob)
-            if code == _native.NOTFOUND:
-                return MISSING  # the caller reads the batch again through get_many, which looks again
-        elif code == _native.NOTFOUND:
-            return None  # no samples database in this snapshot: the Python path says what that means
-        if not refreshed:
-            refreshed = True
-            guard.refresh()
-            continue
-        raise _damage(r, code, indices[k] if k >= 0 else None, (txn, view, base, length, psize, root, depth, None))
-    return None  # the meta page kept being reused under us: the Python path reads this batch
+            return Spans(tree[2], tree[3], tree[1], blob)
+        if code == _native.NOTFOUND:
+            return MISSING  # the caller reads the batch again through get_many, which looks again
+        if attempt == 0:
+            tree = _refound(r, tree)
+    raise _damage(r, code, indices[k], tree)
 
 
 def native_tree(r: Hits, txn: lmdb.Transaction) -> tuple[Any, ...]:
@@ -185,7 +156,7 @@ def native_lookup(r: Hits, tree: tuple[Any, ...], index: int, code: int = -1) ->
     """
     core = _native.core
     assert core is not None
-    txn, view, base, length, psize, root, depth, _ = tree
+    _, view, base, length, psize, root, depth, _ = tree
     pack, n = r._h._pack, r._h._length
     for attempt in range(2):
         if code < 0 or attempt:
@@ -194,14 +165,26 @@ def native_lookup(r: Hits, tree: tuple[Any, ...], index: int, code: int = -1) ->
                 return view[at : at + size]
         if code == _native.NOTFOUND:
             return None
-        if attempt == 0 and r._h._guard is not None:
-            r._h._guard.refresh()
-            fresh_base, length, fresh_view = r._h._guard.mapping()
-            if fresh_base:
-                base, view = fresh_base, fresh_view
-                value = core.Tree(base, length, psize, root, depth, pack, n, PREFETCH_MIN).sample
-                r._tree = (txn, view, base, length, psize, root, depth, value)
+        if attempt == 0:
+            _, view, base, length, *_ = _refound(r, tree)
     raise _damage(r, code, index, r._tree)
+
+
+def _refound(r: Hits, tree: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``tree`` over the map as the guard finds it again (another process may have grown the file), kept as
+    ``r._tree``; ``tree`` itself if the guard finds no map."""
+    core, guard = _native.core, r._h._guard
+    assert core is not None
+    if guard is None:
+        return tree
+    guard.refresh()
+    base, length, view = guard.mapping()
+    if not base:
+        return tree
+    txn, _, _, _, psize, root, depth, _ = tree
+    value = core.Tree(base, length, psize, root, depth, r._h._pack, r._h._length, PREFETCH_MIN).sample
+    r._tree = fresh = (txn, view, base, length, psize, root, depth, value)
+    return fresh
 
 
 def _pack_problem(r: Hits, tree: tuple[Any, ...], index: int) -> str | None:
