@@ -53,7 +53,7 @@ native-asan: install
 		$(PY) setup.py -q build_ext --inplace --force --build-temp build/asan
 	LD_PRELOAD="$(ASAN_LIB)" ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1 \
 		UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-		$(PY) -m pytest -q -p no:cacheprovider tests/test_native.py tests/test_native_core.py tests/test_native_encode.py tests/stress/test_fuzz_file.py tests/test_augment.py tests/test_compact.py; \
+		$(PY) -m pytest -q -p no:cacheprovider tests/test_native.py tests/test_native_core.py tests/test_native_encode.py tests/test_table.py tests/stress/test_fuzz_file.py tests/test_augment.py tests/test_compact.py; \
 		status=$$?; $(PY) setup.py -q build_ext --inplace --force; exit $$status
 
 fuzz: native-asan
