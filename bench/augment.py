@@ -151,6 +151,7 @@ def main() -> None:
             listed.append(trainer(fused))
             slow.append(trainer(Loader(ds, BATCH, shuffle=True, num_threads=2, augment=steps)))
         ds.close()  # before the directory goes: the exit's flush would find it gone
+        with_transform.close()
         report(figures, statistics.median(slow) / statistics.median(listed), args)
 
 
