@@ -792,3 +792,50 @@ def test_an_empty_batch_from_a_batch_sampler_is_a_clear_error(cache_dir, workers
     with pytest.raises(InvalidOptionError, match="batch 1 of epoch 0 from the batch_sampler is empty"):
         iter(loader)
     loader.close()
+
+
+def planner_running() -> bool:
+    return any(t.name == "lmdbcache-planner" for t in threading.enumerate())
+
+
+def test_small_batches_are_built_by_the_consumer_after_a_first_pass(cache_dir):
+    """After a pass of small copied batches, the next ones run no planner thread (the consumer builds each
+    batch): DataLoader's batches still, every epoch, and resumable mid-pass."""
+    ds = warm(CachedDataset(Synthetic(50), cache_dir))
+    loader = ds.loader(8, shuffle=True, seed=4)
+    planners = []
+    for epoch in range(3):
+        got = []
+        for batch in loader:
+            if not got:
+                planners.append(planner_running())
+            got.append(batch)
+        same(got, reference(ds, 8, seed=4, epoch=epoch, shuffle=True))
+    assert planners == [True, False, False]
+    got = []
+    for batch in loader:  # epoch 3, on the consumer's thread: stop after two batches, resume in a new loader
+        got.append(batch)
+        if len(got) == 2:
+            break
+    resumed = ds.loader(8, shuffle=True, seed=4)
+    resumed.load_state_dict(loader.state_dict())
+    same(got + list(resumed), reference(ds, 8, seed=4, epoch=3, shuffle=True))
+
+
+def test_a_damaged_value_in_a_consumer_built_pass_raises_with_its_index(cache_dir):
+    """checksum='always', a value damaged after a first pass: the consumer-built pass raises CorruptSampleError
+    for it, with the batch noted, and leaves no thread."""
+    warm(CachedDataset(Synthetic(16), cache_dir)).close()
+    ds = CachedDataset.open(cache_dir, checksum="always")
+    loader = ds.loader(8)
+    same(list(loader), reference(ds, 8))
+    damage_in_place(cache_dir, 3)
+    time.sleep(0.3)  # past the kept read transaction's age
+
+    def run():
+        with pytest.raises(CorruptSampleError, match="index 3") as raised:
+            for _ in loader:
+                assert not planner_running()
+        assert any("batch 0 of epoch 1" in note for note in raised.value.__notes__)
+
+    assert not threads_after(run)

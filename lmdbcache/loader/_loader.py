@@ -6,7 +6,10 @@ whole slices of the batch to a pool of ``num_threads`` copy threads; each copies
 straight into the batch tensors (``_gather``: large copies release the GIL). A batch under
 1 MiB is copied by the planner itself (``INLINE``: its copies are GIL-bound anyway). Up to
 ``prefetch`` finished batches wait in a queue. The threads live for one pass: a pass that
-ends (exhausted, ``break``, an exception, KeyboardInterrupt, ``close()``) joins them.
+ends (exhausted, ``break``, an exception, KeyboardInterrupt, ``close()``) joins them. When a
+pass saw only such small batches copied from the map, the Loader's next pass has no planner:
+the consumer's own thread builds each batch when it asks (``_pass.InlinePass``), because
+handing a small batch from thread to thread cost about as much as building it.
 
 Buffers. Batch tensors come from a ring of ``prefetch + 3`` slots per sample layout: the
 ``prefetch`` queued batches, the one being filled, the one the consumer's loop variable
@@ -74,7 +77,7 @@ from ..errors import InvalidOptionError, LmdbCacheWarning
 from ._fused import Fused
 from ._fused import check as check_fused
 from ._gather import Layout
-from ._pass import Pass, PassSpec, Ring, current_stream_event, stamp
+from ._pass import InlinePass, Pass, PassSpec, Ring, current_stream_event, stamp
 from ._workers import WorkerPass
 from .augment import compile_plan
 
@@ -251,6 +254,7 @@ class Loader:
         self._ring = Ring(prefetch + 3, batch_size, memory)  # see the module docstring
         self._layouts: dict[bytes, Layout] = {}
         self._pass: Pass | WorkerPass | None = None
+        self._small = False  # the last pass saw only batches copied from the map under _pass.INLINE bytes
         self._closed = False
         self._fused = None
         if augment is not None:
@@ -411,7 +415,11 @@ class Loader:
         )  # fmt: skip
 
     def _run(self, epoch: int, batches: list[list[int]], start: int) -> Iterator[Any]:
-        kind = WorkerPass if self.worker_processes else Pass
+        kind: type[Pass] | type[WorkerPass] = Pass
+        if self.worker_processes:
+            kind = WorkerPass
+        elif self._small and self._fused is None and self.dataset.transform is None:
+            kind = InlinePass  # the last pass's batches were all small copies: build them here (see InlinePass)
         run = kind(self._spec(), epoch, batches, start)
         self._pass = run
         record, slots = self.record_event, []
@@ -433,6 +441,7 @@ class Loader:
             if record is not None and slots and slots[0].event is None:
                 stamp(slots, record())  # the last batch (or the one a break left): same rule
             run.stop()
+            self._small = isinstance(run, Pass) and run.small and run.built > 0
             if self._pass is run:
                 self._pass = None
 
