@@ -361,6 +361,11 @@ _FlatPlan: TypeAlias = "tuple[bytes, Callable[..., bytes], tuple[tuple[int, Any]
 _FLAT_PLANS: dict[tuple[Any, ...], _FlatPlan] = {}
 
 
+def _kind(sample: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The key of a sample's flat plan: each tensor's (dtype, shape), each other item's type."""
+    return tuple([(item.dtype, item.shape) if type(item) is _Tensor else type(item) for item in sample])
+
+
 def _flat(sample: tuple[Any, ...], buffers: list[memoryview]) -> bytes | None:
     """The flat structure of ``sample`` (see the format), or None if it does not qualify.
 
@@ -370,7 +375,7 @@ def _flat(sample: tuple[Any, ...], buffers: list[memoryview]) -> bytes | None:
     struct pack; anything else, and the first sample of a kind, goes through _flat_first.
     """
     try:
-        key = tuple([(item.dtype, item.shape) if type(item) is _Tensor else type(item) for item in sample])
+        key = _kind(sample)
     except RuntimeError:  # a nested tensor has no shape: the general form refuses it, with its location
         return None
     plan = _FLAT_PLANS.get(key)
@@ -393,9 +398,7 @@ def _native_flat(sample: tuple[Any, ...], index: int) -> bytes | None:
     anything the core does not take as planned (it checks the buffers against the signature). Encoded here then.
     """
     try:
-        plan = _FLAT_PLANS.get(
-            tuple([(item.dtype, item.shape) if type(item) is _Tensor else type(item) for item in sample])
-        )
+        plan = _FLAT_PLANS.get(_kind(sample))
         if plan is None:
             return None
         prefix, _, tensors, scalars, codes = plan

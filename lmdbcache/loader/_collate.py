@@ -58,9 +58,10 @@ class Collated(list):  # type: ignore[type-arg]
 
     __slots__ = ("fields", "originals", "segment", "use")
 
-    def __init__(self, tensors: list[torch.Tensor], segment: Segment | None = None, use: int = 0) -> None:
+    def __init__(self, tensors: list[torch.Tensor], segment: Segment | None = None) -> None:
         super().__init__(tensors)
-        self.segment, self.use, self.originals = segment, use, tuple(tensors)
+        self.segment, self.originals = segment, tuple(tensors)
+        self.use = segment.uses if segment is not None else 0  # the fill of the segment this batch is
         if segment is not None:
             self.fields = [(t.dtype, tuple(t.shape), t.stride(), t.data_ptr() - segment.address) for t in tensors]
 
@@ -162,8 +163,7 @@ def gather_shared(store: Store, indices: list[int], always: bool, build: str | N
         try:
             if not buffers.fill(views, checks, indices, 0, len(views)):
                 return None
-            segment = buffers.segment
-            return Collated(buffers.batch(len(views)), segment, segment.uses if segment else 0)
+            return Collated(buffers.batch(len(views)), buffers.segment)
         finally:
             buffers.busy = False
 

@@ -126,8 +126,8 @@ class Buffers:
     object of it dies. So the arrays' reference counts are back at their values at allocation exactly
     when nothing handed out from the slot is alive: public behaviour of ``torch.from_numpy`` and
     CPython, no private torch function. A batch moved to other memory (``share_memory_()``, as a
-    torch.multiprocessing Queue does) lets go of the array too: the slot may then be reused, and the
-    moved batch, in its new memory, does not change.
+    torch.multiprocessing Queue does) has its storage let go of the array, but each handed-out tensor
+    object holds it too (``_hold``), for a numpy array taken from it before the move.
     """
 
     def __init__(self, layout: Layout, rows: int, memory: str = "plain") -> None:
@@ -135,7 +135,7 @@ class Buffers:
         specs = [((rows, *shape), carrier) for _, _, carrier, shape, _ in layout.tensors]
         specs += [((rows,), _COLUMN_DTYPES[code]) for _, code in layout.scalars]
         self.segment: Segment | None = None
-        if memory == "shared":  # one segment per batch: a DataLoader worker sends one handle (loader._collate)
+        if memory == "shared":  # one segment per slot: a DataLoader worker sends one handle per batch (_collate)
             self.segment, arrays = in_segment(specs)
         else:
             arrays = [_array(shape, dtype, memory) for shape, dtype in specs]

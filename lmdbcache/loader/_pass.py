@@ -146,6 +146,9 @@ class Pass:
         self.replaced = False  # set by the Loader when a newer pass of it starts (see ``ended``)
         self.small, self.built = True, 0  # every batch built so far was copied from the map under INLINE bytes
         self.pool = ThreadPoolExecutor(spec.num_threads, thread_name_prefix="lmdbcache-copy")
+        self._begin()
+
+    def _begin(self) -> None:
         self.planner = threading.Thread(target=self._plan, name="lmdbcache-planner", daemon=True)
         self.planner.start()
 
@@ -276,14 +279,8 @@ class InlinePass(Pass):
     out otherwise is still built here, correctly, and the next pass goes back to the planner.
     """
 
-    def __init__(self, spec: PassSpec, epoch: int, batches: list[list[int]], start: int) -> None:
-        self.spec, self.epoch, self.batches, self.start = spec, epoch, batches, start
-        self.ds = spec.dataset
-        self.stopping = threading.Event()
-        self.replaced = False
-        self.small, self.built = True, 0
-        self.pool = ThreadPoolExecutor(spec.num_threads, thread_name_prefix="lmdbcache-copy")
-        self.next = start
+    def _begin(self) -> None:
+        self.next = self.start  # no planner: get() builds batch ``next``
 
     def get(self) -> Any:
         if self.stopping.is_set():

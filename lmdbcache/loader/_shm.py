@@ -38,6 +38,7 @@ import weakref
 from typing import Any
 
 import numpy as np
+import torch
 
 __all__ = ["HEADER", "Segment", "in_segment", "on_fork", "receive"]
 
@@ -56,7 +57,7 @@ class Segment:
     def __init__(self, size: int) -> None:
         self.size = size
         self.uses = 0  # the number of the batch being filled or last filled (the header's ``sent`` once sent)
-        self.retired = False  # sent twice: never filled again
+        self.retired = False  # sent twice, or this process forked: never filled again
         self.fd = -1
         fd = os.memfd_create("lmdbcache-batch", os.MFD_CLOEXEC)
         try:
@@ -149,13 +150,13 @@ def on_fork(hook: Any) -> None:
 os.register_at_fork(before=_at_fork)
 
 
-def receive(fd: int, size: int, use: int, fields: list[tuple[Any, tuple[int, ...], tuple[int, ...], int]]) -> list[Any]:
+def receive(
+    fd: int, size: int, use: int, fields: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]]
+) -> list[torch.Tensor]:
     """The field tensors of a sent batch, each on its own storage in the segment mapped here (``fd`` is closed).
 
     ``fields``: (torch dtype, shape, stride, byte offset in the segment) per field.
     """
-    import torch
-
     try:
         segment = mmap.mmap(fd, size)
     finally:

@@ -84,7 +84,8 @@ def native_spans(r: Hits, txn: lmdb.Transaction, indices: list[int], always: boo
     for attempt in range(2):
         if tree[1] is None:
             return None  # the Python path reads in this transaction (no map address, no samples database)
-        code, k, blob = tree[7].__self__.locate_batch(indices, r._verified, always)
+        core_tree = tree[7].__self__  # the core.Tree whose bound ``sample`` native_tree keeps
+        code, k, blob = core_tree.locate_batch(indices, r._verified, always)
         if code == _native.OK:
             return Spans(tree[2], tree[3], tree[1], blob)
         if code == _native.NOTFOUND:
