@@ -245,18 +245,19 @@ def test_without_sys_getframe_every_batch_takes_default_collates_path(monkeypatc
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_workers_fill_their_segments_again_and_a_kept_batch_never_changes(cache_dir, context, monkeypatch):
     """Persistent workers reuse a few segments (released by this process) while kept batches stay as they were."""
-    import os
 
     ds = warm(CachedDataset(Synthetic(256), cache_dir))
     want = [default_collate([ds[i] for i in range(k, k + 8)]) for k in range(0, 256, 8)]
+    from lmdbcache.loader import _shm
+
     segments = set()
-    receive = collate_module.receive
+    fields = _shm._fields
 
-    def counting(fd, *args):  # _rebuild runs here, in the main process
-        segments.add(os.fstat(fd).st_ino)
-        return receive(fd, *args)
+    def counting(segment, *args):  # here, in the main process: each batch's segment, by its token
+        segments.add(bytes(segment[_shm._TOKEN : _shm._TOKEN + 8]))
+        return fields(segment, *args)
 
-    monkeypatch.setattr(collate_module, "receive", counting)
+    monkeypatch.setattr(_shm, "_fields", counting)
     loader = DataLoader(ds, 8, num_workers=2, collate_fn=collate, persistent_workers=True,
                         multiprocessing_context=context)  # fmt: skip
     kept = list(loader)

@@ -25,17 +25,19 @@ FIELD = [(torch.uint8, (8, 2), (2, 1), _shm.HEADER)]
 SIZE = _shm.HEADER + 4096
 
 
-def counting_segments(monkeypatch):
-    """The inode of every segment this process receives a batch in."""
-    inodes = []
-    receive = collate_module.receive
+def counting_segments(monkeypatch, maps=None):
+    """The token of the segment of every batch this process receives (and in ``maps``, the mapping's id)."""
+    tokens = []
+    fields = _shm._fields
 
-    def counting(fd, *args):
-        inodes.append(os.fstat(fd).st_ino)
-        return receive(fd, *args)
+    def counting(segment, *args):
+        tokens.append(bytes(segment[_shm._TOKEN : _shm._TOKEN + 8]))
+        if maps is not None:
+            maps.add(id(segment))
+        return fields(segment, *args)
 
-    monkeypatch.setattr(collate_module, "receive", counting)
-    return inodes
+    monkeypatch.setattr(_shm, "_fields", counting)
+    return tokens
 
 
 def test_workers_of_later_epochs_adopt_the_segments_of_earlier_ones(cache_dir, monkeypatch):
@@ -70,16 +72,18 @@ def test_an_adopted_segment_never_overwrites_a_kept_batch(cache_dir):
 def test_the_reader_maps_each_segment_once(cache_dir, monkeypatch):
     """Every later batch in a segment is built on the mapping made for its first one; no descriptor piles up."""
     ds = warm(CachedDataset(Synthetic(256), cache_dir))
-    inodes = counting_segments(monkeypatch)
     maps = set()
-    mapping = _shm._mapping
+    inodes = counting_segments(monkeypatch, maps)
+    sent = []
+    reduce = collate_module.Collated.__reduce__
 
-    def mapped(fd, size):
-        out = mapping(fd, size)
-        maps.add(id(out))
+    def sending(self):  # in the workers: how each batch travels
+        out = reduce(self)
+        os.write(w, b"t" if out[0] is _shm.receive_by_token else b"d")
         return out
 
-    monkeypatch.setattr(_shm, "_mapping", mapped)
+    r, w = os.pipe()
+    monkeypatch.setattr(collate_module.Collated, "__reduce__", sending)
     loader = DataLoader(ds, 8, num_workers=2, collate_fn=collate, persistent_workers=True)
     opened = len(os.listdir("/proc/self/fd"))
     for _ in range(4):
@@ -87,7 +91,13 @@ def test_the_reader_maps_each_segment_once(cache_dir, monkeypatch):
             pass
     assert len(inodes) == 128 and len(set(inodes)) <= 2 * (collate_module.POOL + 2)
     assert len(maps) == len(set(inodes))  # one mapping per segment, not per batch
-    assert len(os.listdir("/proc/self/fd")) - opened <= len(set(inodes))  # one kept descriptor per segment
+    assert len(os.listdir("/proc/self/fd")) - opened <= len(set(inodes)) + 2  # one kept descriptor per segment
+    while len(sent) < 128:
+        sent += os.read(r, 128).decode()
+    os.close(r)
+    os.close(w)
+    # a descriptor travels at most with the first batch in each segment (none if adopted): the rest go by token
+    assert sent.count("d") <= len(set(inodes)) and sent.count("t") >= 128 - len(set(inodes))
 
 
 def _owner(sock: socket.socket) -> None:
@@ -172,3 +182,26 @@ def test_a_segment_whose_batch_the_reader_holds_is_never_adopted():
         assert _adopters(1, SIZE) == [0]
     finally:
         _shm._kept.pop(token).forget()
+
+
+def test_a_batch_sent_by_token_to_a_process_that_never_mapped_it_is_opened_from_its_sender_or_refused():
+    """A token-only batch unpickled elsewhere opens the sender's descriptor, checked to be that segment."""
+    segment = _shm.Segment(SIZE)
+    segment.map[_shm.HEADER : _shm.HEADER + 16] = bytes(range(16))
+    segment.sending(1)
+    token = segment.token()
+    try:
+        batch = _shm.receive_by_token(token, SIZE, 1, FIELD, os.getpid(), segment.fd)
+        assert bytes(batch[0].flatten().numpy()) == bytes(range(16))
+        with pytest.raises(RuntimeError, match="is gone"):  # the number now names another file
+            _shm.receive_by_token(b"\0" * 8, SIZE, 2, FIELD, os.getpid(), segment.fd)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        with pytest.raises(RuntimeError, match="never mapped, and it cannot be opened"):
+            _shm.receive_by_token(os.urandom(8), SIZE, 1, FIELD, pid, segment.fd)
+    finally:
+        kept = _shm._kept.pop(token, None)
+        if kept is not None:
+            kept.forget()

@@ -37,7 +37,7 @@ from torch.utils.data import default_collate, get_worker_info
 from ..dataset import register_batch_hook
 from ..store._store import MISSING
 from ._gather import Buffers, Layout, layout_of
-from ._shm import Segment, on_fork, receive
+from ._shm import Segment, on_fork, receive, receive_by_token
 
 if TYPE_CHECKING:
     from ..store._store import Store
@@ -49,10 +49,11 @@ class Collated(list):  # type: ignore[type-arg]
     """A batch already collated by ``CachedDataset.__getitems__``: default_collate's list of field tensors.
 
     Every field lies in one shared-memory segment (``_shm``). Pickled (a worker sending it to the main
-    process), it travels as a duplicate of the segment's file descriptor, the batch's use number and
-    each field's dtype, shape, stride and byte offset, and is rebuilt as a plain list of tensors on
-    the segment mapped there: one file descriptor per batch, where torch's pickler sends one per
-    tensor (each is a connection to the worker's resource sharer). Without a segment, or once a
+    process), it travels as the segment's token (or, until the main process has it mapped, a
+    duplicate of its file descriptor), the batch's use number and each field's dtype, shape, stride
+    and byte offset, and is rebuilt as a plain list of tensors on the segment mapped there: at most
+    one file descriptor per segment, where torch's pickler sends one per tensor per batch (each a
+    connection to the worker's resource sharer). Without a segment, or once a
     ``collate_fn`` wrapping ``collate`` changed the list, it pickles as the plain list it now is.
     """
 
@@ -69,8 +70,11 @@ class Collated(list):  # type: ignore[type-arg]
         same = len(self) == len(self.originals) and all(a is b for a, b in zip(self, self.originals))
         if self.segment is None or not same:
             return (list, (list(self),))
-        self.segment.sending(self.use)
-        return (_rebuild, (DupFd(self.segment.fd), self.segment.size, self.use, self.fields))
+        segment = self.segment
+        segment.sending(self.use)
+        if segment.mapped_by() == os.getppid():  # the DataLoader's process keeps it mapped: no descriptor to fetch
+            return (receive_by_token, (segment.token(), segment.size, self.use, self.fields, os.getpid(), segment.fd))
+        return (_rebuild, (DupFd(segment.fd), segment.size, self.use, self.fields))
 
 
 def _rebuild(

@@ -30,7 +30,12 @@ carries that field, and the header is in none of them.
 Mapped once by the reader. The reader keeps the mapping of every segment it received (``_kept``, by
 a random token in the header) and builds each later batch in that segment on it: mapping each batch
 anew made the consumer's first touch fault every page in again (6.4 ms per 9.6 MB here, against
-1.2 ms to map it once with ``MAP_POPULATE``).
+1.2 ms to map it once with ``MAP_POPULATE``). It writes its pid into the header (``_READER``), and a
+worker whose parent that is sends later batches by token alone: fetching a duplicated descriptor
+is a connection to the worker's resource-sharer thread, which waits for the worker's GIL (0.1 to
+3 ms a batch on two busy cores). The reader forgets a segment only once no process owns it (below),
+so a batch sent by token always finds its mapping; one unpickled elsewhere opens the sender's
+descriptor through ``/proc/<pid>/fd`` (checked by size and token) or raises a clear error.
 
 Kept across worker generations. A DataLoader without ``persistent_workers`` forks new workers every
 epoch, and a new worker's fresh segments paid their page allocation again (about 9 ms per 9.6 MB
@@ -40,9 +45,9 @@ from it inherits them and adopts one of the right size instead of allocating. Ow
 exclusive ``flock`` on the owner's own open file description, held for the segment's life: a
 segment can be adopted only once its owner has exited (the kernel drops the lock with the process),
 by one worker (the others' ``LOCK_NB`` fails), and only when released and not retired. The reader
-forgets a segment it has not received in ``KEEP_RECEIVES`` batches (a worker that took it sends it
-again under the same token); what it keeps after the last DataLoader ends (a pool's worth per
-worker) is freed at exit.
+forgets a segment not received in ``KEEP_RECEIVES`` batches once no process owns it (it takes the
+lock itself while it clears ``_READER``); what it keeps after the last DataLoader ends (a pool's
+worth per worker) is freed at exit.
 """
 
 from __future__ import annotations
@@ -58,11 +63,12 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["HEADER", "Segment", "in_segment", "on_fork", "receive"]
+__all__ = ["HEADER", "Segment", "in_segment", "on_fork", "receive", "receive_by_token"]
 
 HEADER = 64  # bytes before the first field: sent, released, retired, token (u64 each), padding to keep fields aligned
 _COUNTS = struct.Struct("<QQQ")
 _TOKEN = 24  # a random number naming the segment for the reader's ``_kept``, the same in every process
+_READER = 32  # the pid of the process that keeps it mapped (``_Kept``): batches to it are sent by token alone
 
 
 class Segment:
@@ -103,6 +109,13 @@ class Segment:
         """True when the reader of its last sent batch (if any) has dropped every tensor of it."""
         sent, released, retired = _COUNTS.unpack_from(self.map, 0)
         return not self.retired and not retired and sent == released
+
+    def token(self) -> bytes:
+        return bytes(self.map[_TOKEN : _TOKEN + 8])
+
+    def mapped_by(self) -> int:
+        """The pid of the process that keeps this segment mapped (0: none), so needs no descriptor sent."""
+        return int(struct.unpack_from("<Q", self.map, _READER)[0])
 
     def sending(self, use: int) -> None:
         """Batch ``use`` is being pickled: from now on the segment waits for its reader's release."""
@@ -199,31 +212,71 @@ class _Kept:
         except BaseException:
             self.forget()
             raise
+        if self.fd >= 0:  # kept until its owner is gone (``stale``): later batches may come by token alone
+            struct.pack_into("<Q", self.map, _READER, os.getpid())
+
+    def stale(self) -> bool:
+        """Forgettable: no process owns it (so none sends it); it then stops announcing its mapping here."""
+        if self.fd < 0:
+            return True  # never announced: every batch in it comes with its descriptor
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while the reset below happens: no adopter
+        except OSError:
+            return False  # its owner lives and may send it by token at any time
+        struct.pack_into("<Q", self.map, _READER, 0)
+        return True
 
     def forget(self) -> None:
         if self.fd >= 0:
-            os.close(self.fd)  # the mapping lives on while a batch on it does
+            os.close(self.fd)  # drops the lock ``stale`` took; the mapping lives on while a batch on it does
             self.fd = -1
 
 
 def _mapping(fd: int, size: int) -> mmap.mmap:
     """The received segment behind ``fd`` mapped here, the mapping of its earlier batches if any (closes ``fd``)."""
-    global _receipts
     try:
         token = os.pread(fd, 8, _TOKEN)
         with _kept_lock:
-            _receipts += 1
             kept = _kept.get(token)
             if kept is None or kept.size != size:
                 if kept is not None:
                     kept.forget()
                 kept = _kept[token] = _Kept(fd, size)
-            kept.seen = _receipts
-            for old in [t for t, k in _kept.items() if k.seen < _receipts - KEEP_RECEIVES]:
-                _kept.pop(old).forget()
-            return kept.map
+            return _seen(kept)
     finally:
         os.close(fd)
+
+
+def _seen(kept: _Kept) -> mmap.mmap:
+    """Count a receipt of ``kept`` (under ``_kept_lock``), forgetting the segments long unseen and unowned."""
+    global _receipts
+    _receipts += 1
+    kept.seen = _receipts
+    for token, old in list(_kept.items()):
+        if old.seen < _receipts - KEEP_RECEIVES and old.stale():
+            del _kept[token]
+            old.forget()
+    return kept.map
+
+
+def _mapped(token: bytes, size: int, pid: int, fd: int) -> mmap.mmap:
+    """The segment a batch sent by token alone lies in: kept here (it announced so), else opened from its sender."""
+    with _kept_lock:
+        kept = _kept.get(token)
+        if kept is not None and kept.size == size:
+            return _seen(kept)
+    try:  # not this process that announced it (a batch handed on): the sender's descriptor, checked to be that one
+        own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        raise RuntimeError(
+            f"lmdbcache.collate: a batch from process {pid} lies in a shared-memory segment this process "
+            f"({os.getpid()}) never mapped, and it cannot be opened ({exc}). Unpickle Collated batches only in the "
+            "process that runs the DataLoader's workers, or use torch's default collate_fn."
+        ) from None
+    if os.fstat(own).st_size != size or os.pread(own, 8, _TOKEN) != token:
+        os.close(own)
+        raise RuntimeError(f"lmdbcache.collate: the shared-memory segment of a batch from process {pid} is gone")
+    return _mapping(own, size)
 
 
 def _adopt(size: int) -> Segment | None:
@@ -264,7 +317,17 @@ def receive(
 
     ``fields``: (torch dtype, shape, stride, byte offset in the segment) per field.
     """
-    segment = _mapping(fd, size)
+    return _fields(_mapping(fd, size), size, use, fields)
+
+
+def receive_by_token(token: bytes, size: int, use: int, fields: list[Any], pid: int, fd: int) -> list[torch.Tensor]:
+    """``receive`` for a batch sent without a descriptor: its segment is kept mapped here (``_READER``)."""
+    return _fields(_mapped(token, size, pid, fd), size, use, fields)
+
+
+def _fields(
+    segment: mmap.mmap, size: int, use: int, fields: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]]
+) -> list[torch.Tensor]:
     lease, out = _Lease(segment, use), []
     for dtype, shape, stride, at in fields:
         extent = 0 if 0 in shape else (sum((n - 1) * k for n, k in zip(shape, stride)) + 1) * dtype.itemsize
