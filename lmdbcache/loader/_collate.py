@@ -133,7 +133,7 @@ def _segment_for(layout: Layout, rows: int) -> Buffers:
             memory = "plain" if strategy == "file_system" else "shared"
             buffers = Buffers(layout, rows, memory)
             # The oldest make room: a segment whose batch the reader keeps (or never got) must not hold a place
-            _pool = [b for b in _pool if b.segment is not None and not b.segment.retired][-(POOL - 1) :]
+            _pool = [b for b in _pool if b.segment is not None and not b.segment.retired and not b.moved][-(POOL - 1) :]
             if buffers.segment is not None:
                 _pool.append(buffers)
         if buffers.segment is not None:

@@ -96,22 +96,29 @@ def _array(shape: tuple[int, ...], dtype: np.dtype[Any], memory: str) -> np.ndar
 
 
 # Each handed-out batch tensor holds its slot array until it dies (``_hold``): a weak reference to the
-# tensor whose callback holds the array, kept in this set until it fires.
-_held: set[weakref.ref[torch.Tensor]] = set()
+# tensor, mapped here to the array until its callback fires.
+_held: dict[weakref.ref[torch.Tensor], np.ndarray] = {}
+_moved: list[Buffers] = []  # slots whose storage moved under a live tensor: kept for good (see ``_hold``)
 
 
-def _hold(tensor: torch.Tensor, array: np.ndarray) -> None:
-    """Keep ``array`` alive (and counted) while the tensor object ``tensor`` lives.
+def _hold(tensor: torch.Tensor, buffers: Buffers, k: int) -> None:
+    """Keep array ``k`` of ``buffers`` alive (and counted) while the tensor object ``tensor`` lives.
 
     Its storage already holds the array, but ``share_memory_()`` (as a Queue does) moves the storage
     and lets go of it, while a numpy array taken before with ``.numpy()`` holds the tensor and still
-    points into the old memory: that memory must neither be filled again nor freed.
+    points into the old memory: that memory must neither be filled again nor freed. A numpy array of a
+    *view* taken before the move holds only the view: so when the tensor dies with its storage no
+    longer holding the array (the count back at its base while the storage should still add one),
+    the slot is never filled again nor freed (``moved``): a leak, only for batches moved that way.
     """
 
-    def drop(ref: weakref.ref[torch.Tensor], array: np.ndarray = array) -> None:
-        _held.discard(ref)
+    def drop(ref: weakref.ref[torch.Tensor]) -> None:
+        _held.pop(ref, None)
+        if not buffers.moved and buffers._counts()[k] <= buffers._base[k]:  # the storage (alive here) let go
+            buffers.moved = True
+            _moved.append(buffers)  # nothing says when such a view dies: its memory is never freed either
 
-    _held.add(weakref.ref(tensor, drop))
+    _held[weakref.ref(tensor, drop)] = (buffers.arrays + buffers.column_arrays)[k]
 
 
 class Buffers:
@@ -146,6 +153,7 @@ class Buffers:
         # No scalar field (a 1-tuple of a tensor): numpy's (rows, 0) array cannot be cast to bytes; nothing is copied
         self.scalar_view = memoryview(self.scalars).cast("B") if layout.scalar_size else memoryview(bytearray())  # type: ignore[arg-type]
         self.busy = False
+        self.moved = False  # a handed-out storage let go of its array while its tensor lived: never reused
         self.event: Any = None  # set by the loader: the slot is reused only once event.query() is True
         del arrays  # a local reference counted into the base would make a handed-out batch look unused
         self._base = self._counts()
@@ -160,7 +168,7 @@ class Buffers:
 
     def unused(self) -> bool:
         """True when no tensor, view, numpy array or storage handed out from this slot is alive anywhere."""
-        return not self.busy and self._counts() == self._base
+        return not self.busy and not self.moved and self._counts() == self._base
 
     def free(self) -> bool:
         """Unused, and the consumer's device copies of its last batch (``event``) are done."""
@@ -228,8 +236,9 @@ class Buffers:
             else:
                 array[:rows] = column
             scalars.append(torch.from_numpy(array if rows == self.rows else array[:rows]))
-        for t, a in zip(tensors + scalars, self.arrays + self.column_arrays):
-            _hold(t, a)
+        handed = tensors + scalars
+        for k in range(len(handed)):
+            _hold(handed[k], self, k)
         return [tensors[k] if k >= 0 else scalars[~k] for k in layout.order]
 
 

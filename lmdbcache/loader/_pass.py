@@ -67,7 +67,7 @@ class Ring:
 
     def acquire(self, layout: Layout, rows: int) -> Buffers:
         with self.lock:
-            kept = [b for b in self.buffers if b.layout is layout and b.rows >= rows]
+            kept = [b for b in self.buffers if b.layout is layout and b.rows >= rows and not b.moved]
             if len(kept) != len(self.buffers):
                 self.buffers = kept  # another layout or size: the old slots go when their batches do
             buffers = next((b for b in kept if b.free()), None)

@@ -150,12 +150,19 @@ class _Lease:
         self.segment, self.use, self.pid, self.holders = segment, use, os.getpid(), 0
         self.lock = threading.Lock()  # finalizers run on whichever thread drops the last reference
 
-    def hold(self, holder: Any) -> None:
+    def hold(self, holder: Any, field: Any = None) -> None:
+        """Count ``holder`` until it dies; ``field``: the tensor whose storage holds ``holder`` (an array)."""
         with self.lock:
             self.holders += 1
-        weakref.finalize(holder, self._drop)
+        weakref.finalize(holder, self._drop, None if field is None else weakref.ref(field))
 
-    def _drop(self) -> None:
+    def _drop(self, field: Any) -> None:
+        if field is not None and field() is not None:
+            # The storage let go of its array while the field lives: moved (share_memory_(), a torch
+            # Queue) or replaced. A numpy array of a view taken before still points here, and nothing
+            # says when it dies: never filled again, never unmapped (a leak, only for batches moved so).
+            self.retire()
+            _moved.append(self.segment)
         with self.lock:
             self.holders -= 1
             last = self.holders == 0
@@ -167,6 +174,7 @@ class _Lease:
 
 
 _leases: weakref.WeakSet[_Lease] = weakref.WeakSet()
+_moved: list[mmap.mmap] = []  # mappings of batches whose storage moved under a live field (``_Lease._drop``)
 
 
 def _at_fork() -> None:
@@ -296,7 +304,7 @@ def _adopt(size: int) -> Segment | None:
                 continue
             segment = Segment(size, fd)
             if segment.released():  # its last batch is dead in the reader, and it was never retired
-                del _kept[token]  # here only: the reader sees it again under the same token
+                _kept.pop(token).forget()  # here only: the reader sees it again under the same token
                 return segment
             del segment  # closes the descriptor, dropping the lock
     return None
@@ -335,7 +343,7 @@ def _fields(
             raise ValueError(f"a batch field of {extent} bytes at {at} lies outside its {size}-byte segment")
         raw = np.frombuffer(segment, np.uint8, extent, at)
         field = torch.empty(0, dtype=dtype).set_(torch.from_numpy(raw).untyped_storage(), 0, shape, stride)
-        lease.hold(raw)
+        lease.hold(raw, field)
         lease.hold(field)
         out.append(field)
     _leases.add(lease)
