@@ -161,6 +161,30 @@ static int aug_taps(int64_t in, int64_t out, AugTaps *t) {
     return 0;
 }
 
+/* A horizontal flip of the whole resized width, done by the taps: output i takes output out - 1 - i's taps, so
+ * the passes write the flipped rows straight away (no flipped copy). lo stays monotonic (decreasing): the
+ * columns a span of outputs reads are those between its ends' taps either way (aug_cols). */
+static void aug_taps_reverse(AugTaps *t, int64_t out) {
+    for (int64_t i = 0, k = out - 1; i < k; i++, k--) {
+        int64_t lo = t->lo[i], n = t->n[i];
+        t->lo[i] = t->lo[k], t->n[i] = t->n[k], t->lo[k] = lo, t->n[k] = n;
+        for (int64_t j = 0; j < t->K; j++) {
+            int16_t w = t->w[i * t->K + j];
+            t->w[i * t->K + j] = t->w[k * t->K + j], t->w[k * t->K + j] = w;
+        }
+        for (int64_t j = 0; j < t->P; j++) {
+            int32_t w = t->wp[i * t->P + j];
+            t->wp[i * t->P + j] = t->wp[k * t->P + j], t->wp[k * t->P + j] = w;
+        }
+    }
+}
+
+/* The columns [c0, c1) outputs x0..x1 - 1 read (lo monotonic, increasing or, flipped, decreasing). */
+static inline void aug_cols(const AugTaps *t, int64_t x0, int64_t x1, int64_t *c0, int64_t *c1) {
+    int64_t a = t->lo[x0], b = t->lo[x1 - 1], ea = a + t->n[x0], eb = b + t->n[x1 - 1];
+    *c0 = a < b ? a : b, *c1 = ea > eb ? ea : eb;
+}
+
 typedef struct {
     uint8_t *tmp, *plane, *strip, *cols;
     size_t tmp_size, strip_size;
@@ -635,7 +659,9 @@ static void aug_horizontal(const AugOps *ops, const uint8_t *src, int64_t sx, in
                            const AugSpan *sp, const AugTaps *tx, uint8_t *strip, uint8_t *cols, uint8_t *out,
                            AugPf *pf) {
     int64_t x0 = sp->x0, x1 = sp->x1, xw = sp->xw, rows = sp->r_hi - sp->r_lo;
-    int64_t c0 = tx->lo[x0], c1 = tx->lo[x1 - 1] + tx->n[x1 - 1], bytes = (c1 - c0) * nch;
+    int64_t c0, c1;
+    aug_cols(tx, x0, x1, &c0, &c1);
+    int64_t bytes = (c1 - c0) * nch;
     const uint8_t *first = src + c0 * sx; /* column c0 of the box's row 0 */
     int64_t step = 1 + pf->strip_lines / (nch * ((xw + 31) / 32)); /* lines asked for per 32 outputs */
     for (int64_t r0 = sp->r_lo; r0 < sp->r_hi; r0 += AUG_ROWS) {
@@ -769,6 +795,10 @@ static int aug_image(const uint8_t *src, int64_t H, int64_t W, int64_t C, int hw
         return AUG_NOMEM;
     }
     AugOps ops = aug_ops();
+    if (flip && tx.w && b[7] == 0 && b[5] == p->ow) { /* the window is the whole resized width: flip by the taps */
+        aug_taps_reverse(&tx, b[5]);
+        flip = 0;
+    }
     const AugTaps *px = tx.w ? &tx : NULL, *py = ty.w ? &ty : NULL;
     int64_t top = b[0], left = b[1], rh = b[4], rw = b[5], oy = b[6], ox = b[7];
     AugSpan sp;
@@ -779,7 +809,8 @@ static int aug_image(const uint8_t *src, int64_t H, int64_t W, int64_t C, int hw
     sp.r_lo = empty ? 0 : py ? py->lo[sp.y0] : sp.y0;
     sp.r_hi = empty ? 0 : py ? py->lo[sp.y1 - 1] + py->n[sp.y1 - 1] : sp.y1;
     AugPf pf; /* the lines of the box's rows r_lo..r_hi the horizontal passes read, every plane */
-    int64_t c0 = empty ? 0 : px ? px->lo[sp.x0] : sp.x0, c1 = empty ? 0 : px ? px->lo[sp.x1 - 1] + px->n[sp.x1 - 1] : sp.x1;
+    int64_t c0 = empty ? 0 : sp.x0, c1 = empty ? 0 : sp.x1;
+    if (!empty && px) aug_cols(px, sp.x0, sp.x1, &c0, &c1);
     aug_pf_init(&pf, src + top * sy + (left + c0) * sx, sy, fuse ? 0 : H * W, fuse || !hwc ? (fuse ? 1 : C) : 0,
                 sp.r_lo, sp.r_hi, (c1 - c0 - 1) * sx + nch);
     aug_pf(&pf, pf.strip_lines); /* the first strip's */
