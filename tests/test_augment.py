@@ -374,3 +374,25 @@ def test_ragged_sizes_match_the_torch_reference(tmp_path, read_path, monkeypatch
                 tolerance = 1 if read_path == "native" and box[4:6] != box[2:4] else 0
                 diff = (images[row].int() - want.int()).abs().max().item()
                 assert diff <= tolerance, f"{steps} index {index} box {box}: off by {diff}"
+
+
+@pytest.mark.parametrize("hwc", [False, True], ids=["chw", "hwc"])
+def test_flipped_batches_are_exact_mirrors(tmp_path, read_path, hwc):
+    """A flip (done by the horizontal taps on the core) gives the unflipped image's columns reversed, bit for
+    bit, for whole-width windows (RandomResizedCrop) and narrower ones (Resize + CenterCrop), large and ragged."""
+    for name, data in (("large", Large(hwc)), ("ragged", Ragged(hwc))):
+        ds = CachedDataset(data, str(tmp_path / name))
+        for _ in ds:
+            pass
+        ds.flush()
+        for first in (RandomResizedCrop((37, 45)), RandomResizedCrop(64, scale=(0.02, 1.0)), Resize(50)):
+            window = [CenterCrop((41, 33))] if isinstance(first, Resize) else []
+            batches = [
+                list(Loader(ds, 4, seed=3, augment=[first, *window, RandomHorizontalFlip(p=p)], image_layout=layout))
+                for p in (0.0, 1.0)
+                for layout in ["HWC" if hwc else "CHW"]
+            ]
+            for (plain, labels), (flipped, again) in zip(*batches):
+                assert torch.equal(labels, again)
+                assert torch.equal(flipped, plain.flip(-1)), f"{name} {first}"
+        ds.close()
