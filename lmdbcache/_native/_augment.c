@@ -622,7 +622,8 @@ typedef struct {
  * walks the lines the horizontal passes will read, in their order (plane by plane, row by row, span bytes of a
  * row from base + plane * pstride + row * sy), and aug_pf asks for the next few: a strip's worth while the strip
  * before is resized, in small steps between the dot products (a burst of prefetches would wait on the fill
- * buffers as the loads do), and the next plane's first strips during a plane's vertical pass. A prefetch is a
+ * buffers as the loads do), and the next plane's first strips during a plane's vertical pass. Asked for into
+ * the outer caches (locality 1, prefetcht2): a strip is read once, a strip ahead, from L2. A prefetch is a
  * hint: it never faults, so the line addresses are plain integers. */
 typedef struct {
     uintptr_t base, at, end; /* the next line's address, the current row's last line */
@@ -640,7 +641,7 @@ static void aug_pf_init(AugPf *f, const uint8_t *base, int64_t sy, int64_t pstri
 
 static inline void aug_pf(AugPf *f, int64_t lines) {
     for (; lines > 0 && f->plane < f->planes; lines--) {
-        __builtin_prefetch((const void *)f->at);
+        __builtin_prefetch((const void *)f->at, 0, 1);
         if ((f->at += 64) <= f->end) continue;
         if (++f->row == f->r1) f->row = f->r0, f->plane++;
         uintptr_t row = f->base + (uintptr_t)(f->plane * f->pstride + f->row * f->sy);
