@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from lmdbcache import CachedDataset, CorruptSampleError, InvalidOptionError, Loader
+from lmdbcache import CachedDataset, CorruptSampleError, InvalidOptionError, Loader, _native
 from lmdbcache.augment import CenterCrop, Normalize, RandomHorizontalFlip, RandomResizedCrop, Resize
 from lmdbcache.loader import _fused
 from lmdbcache.loader import augment as aug
@@ -396,3 +396,26 @@ def test_flipped_batches_are_exact_mirrors(tmp_path, read_path, hwc):
                 assert torch.equal(labels, again)
                 assert torch.equal(flipped, plain.flip(-1)), f"{name} {first}"
         ds.close()
+
+
+def test_new_image_sizes_take_the_known_pattern(tmp_path, monkeypatch):
+    """A batch whose first image has a size not met before takes the pattern's batch form (no Layout, no decode
+    plan built on the planner's thread per batch): one lookup in all, and the batches still match torch."""
+    ds = CachedDataset(Large(False), str(tmp_path / "c"))
+    for _ in ds:
+        pass
+    ds.flush()
+    calls = []
+    real = _fused.layout_of
+    monkeypatch.setattr(_fused, "layout_of", lambda *a: calls.append(a[1]) or real(*a))
+    steps = [RandomResizedCrop(32), RandomHorizontalFlip()]
+    plan = aug.compile_plan(steps)
+    loader = Loader(ds, 2, shuffle=True, seed=5, num_threads=2, augment=steps)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for images, labels in loader:
+            for row, index in enumerate(labels.tolist()):
+                want, box = expected(plan, 5, epoch, index, Large(False)[index][0])
+                assert (images[row].int() - want.int()).abs().max().item() <= 1, f"index {index} box {box}"
+    if _native.core is not None and getattr(_native.core, "augment", None) is not None:
+        assert len(calls) == 1
