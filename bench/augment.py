@@ -3,7 +3,9 @@
     python -m bench.augment [--reps 3] [--n 512]
     python -m bench.augment --kernel DIR [--n 64] [--hwc]   # one fused epoch over the cache in DIR (built if
         absent; --hwc: the images stored HWC), for valgrind --tool=callgrind --toggle-collect=py_augment: the
-        kernel's instructions per image
+        kernel's instructions per image (valgrind has no AVX-512: it runs the AVX2 copies)
+    python -m bench.augment --kernel DIR --slices [--reps 5]   # the kernel's CPU time alone: one epoch's
+        core.augment calls recorded, then run again in this thread (a warm epoch first; thread CPU per image)
 
 One cache of ``n`` uint8 CHW images of mixed sizes (shorter side 256-400, aspect up to 4:3 either way),
 batch 64, shuffled, one seed. Rows, interleaved per repetition, medians of ``reps``, warm (one untimed
@@ -106,6 +108,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=512)
     parser.add_argument("--kernel", metavar="DIR")
     parser.add_argument("--hwc", action="store_true", help="--kernel: the images stored HWC")
+    parser.add_argument("--slices", action="store_true", help="--kernel: time core.augment alone")
     args = parser.parse_args()
     torch.set_num_threads(1)
     steps = [RandomResizedCrop(SIZE), RandomHorizontalFlip()]
@@ -116,7 +119,11 @@ def main() -> None:
                 pass
             ds.flush()
         layout = "HWC" if args.hwc else "CHW"
-        timed(Loader(ds, BATCH, shuffle=True, num_threads=1, augment=steps, image_layout=layout))
+        loader = Loader(ds, BATCH, shuffle=True, seed=7, num_threads=1, augment=steps, image_layout=layout)
+        if args.slices:
+            kernel_time(loader, args.reps)
+        else:
+            timed(loader)
         return
     with tempfile.TemporaryDirectory() as tmp:
         ds = CachedDataset(Mixed(args.n), os.path.join(tmp, "c"))
@@ -160,6 +167,38 @@ def main() -> None:
         ds.close()  # before the directory goes: the exit's flush would find it gone
         with_transform.close()
         report(figures, statistics.median(slow) / statistics.median(listed), args)
+
+
+def kernel_time(loader: Loader, reps: int) -> None:
+    """Thread CPU per image of core.augment alone, over the calls of one (warm) epoch, median of ``reps``."""
+    from lmdbcache import _native
+
+    core = _native.core
+    assert core is not None and hasattr(core, "augment"), "the compiled core has no augment"
+    calls: list[tuple[Any, ...]] = []
+
+    class Recorder:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(core, name)
+
+        def augment(self, *args: Any) -> Any:
+            calls.append(args)
+            return core.augment(*args)
+
+    timed(loader)  # warm: the first read of each value verifies its data checksum
+    _native.core = Recorder()  # type: ignore[assignment]
+    try:
+        timed(loader)
+    finally:
+        _native.core = core
+    images, runs = sum(args[4] - args[3] for args in calls), []
+    for _ in range(reps):
+        start = time.thread_time()
+        for args in calls:
+            core.augment(*args)
+        runs.append((time.thread_time() - start) / images * 1e6)
+    print(f"core.augment alone: {statistics.median(runs):.1f} us CPU per image (median of {reps}; "
+          f"{' '.join(f'{r:.1f}' for r in runs)}), {images} images, 1 thread")  # fmt: skip
 
 
 def report(figures: dict[str, list[tuple[float, float, int]]], trainer_ratio: float, args: Any) -> None:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from lmdbcache import CachedDataset, CorruptSampleError, InvalidOptionError, Loader
+from lmdbcache import CachedDataset, CorruptSampleError, InvalidOptionError, Loader, _native
 from lmdbcache.augment import CenterCrop, Normalize, RandomHorizontalFlip, RandomResizedCrop, Resize
 from lmdbcache.loader import _fused
 from lmdbcache.loader import augment as aug
@@ -374,3 +374,48 @@ def test_ragged_sizes_match_the_torch_reference(tmp_path, read_path, monkeypatch
                 tolerance = 1 if read_path == "native" and box[4:6] != box[2:4] else 0
                 diff = (images[row].int() - want.int()).abs().max().item()
                 assert diff <= tolerance, f"{steps} index {index} box {box}: off by {diff}"
+
+
+@pytest.mark.parametrize("hwc", [False, True], ids=["chw", "hwc"])
+def test_flipped_batches_are_exact_mirrors(tmp_path, read_path, hwc):
+    """A flip (done by the horizontal taps on the core) gives the unflipped image's columns reversed, bit for
+    bit, for whole-width windows (RandomResizedCrop) and narrower ones (Resize + CenterCrop), large and ragged."""
+    for name, data in (("large", Large(hwc)), ("ragged", Ragged(hwc))):
+        ds = CachedDataset(data, str(tmp_path / name))
+        for _ in ds:
+            pass
+        ds.flush()
+        for first in (RandomResizedCrop((37, 45)), RandomResizedCrop(64, scale=(0.02, 1.0)), Resize(50)):
+            window = [CenterCrop((41, 33))] if isinstance(first, Resize) else []
+            batches = [
+                list(Loader(ds, 4, seed=3, augment=[first, *window, RandomHorizontalFlip(p=p)], image_layout=layout))
+                for p in (0.0, 1.0)
+                for layout in ["HWC" if hwc else "CHW"]
+            ]
+            for (plain, labels), (flipped, again) in zip(*batches):
+                assert torch.equal(labels, again)
+                assert torch.equal(flipped, plain.flip(-1)), f"{name} {first}"
+        ds.close()
+
+
+def test_new_image_sizes_take_the_known_pattern(tmp_path, monkeypatch):
+    """A batch whose first image has a size not met before takes the pattern's batch form (no Layout, no decode
+    plan built on the planner's thread per batch): one lookup in all, and the batches still match torch."""
+    ds = CachedDataset(Large(False), str(tmp_path / "c"))
+    for _ in ds:
+        pass
+    ds.flush()
+    calls = []
+    real = _fused.layout_of
+    monkeypatch.setattr(_fused, "layout_of", lambda *a: calls.append(a[1]) or real(*a))
+    steps = [RandomResizedCrop(32), RandomHorizontalFlip()]
+    plan = aug.compile_plan(steps)
+    loader = Loader(ds, 2, shuffle=True, seed=5, num_threads=2, augment=steps)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for images, labels in loader:
+            for row, index in enumerate(labels.tolist()):
+                want, box = expected(plan, 5, epoch, index, Large(False)[index][0])
+                assert (images[row].int() - want.int()).abs().max().item() <= 1, f"index {index} box {box}"
+    if _native.core is not None and getattr(_native.core, "augment", None) is not None:
+        assert len(calls) == 1
