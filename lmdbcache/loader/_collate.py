@@ -154,6 +154,14 @@ def _retire_all() -> None:
 on_fork(_retire_all)
 
 
+def _after_fork_in_child() -> None:
+    global _pool_lock
+    _pool_lock = threading.Lock()  # another thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def gather_shared(store: Store, indices: list[int], always: bool, build: str | None) -> Collated | None:
     """The batch of ``indices`` copied from the map into shared memory, or None (a miss, or not flat alike)."""
     if not indices:

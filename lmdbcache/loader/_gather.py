@@ -105,11 +105,12 @@ def _hold(tensor: torch.Tensor, buffers: Buffers, k: int) -> None:
     """Keep array ``k`` of ``buffers`` alive (and counted) while the tensor object ``tensor`` lives.
 
     Its storage already holds the array, but ``share_memory_()`` (as a Queue does) moves the storage
-    and lets go of it, while a numpy array taken before with ``.numpy()`` holds the tensor and still
-    points into the old memory: that memory must neither be filled again nor freed. A numpy array of a
-    *view* taken before the move holds only the view: so when the tensor dies with its storage no
-    longer holding the array (the count back at its base while the storage should still add one),
-    the slot is never filled again nor freed (``moved``): a leak, only for batches moved that way.
+    and lets go of it, while a numpy array taken before with ``.numpy()`` (its ``.base`` an alias
+    tensor, not this one) or from a view still points into the old memory: that memory must neither
+    be filled again nor freed. So when the tensor dies with its storage no longer holding the array
+    (the count back at its base while the storage should still add one), the slot is never filled
+    again nor freed (``moved``): a leak, only for batches moved that way. Not seen: a move made
+    through a view after its field tensor died.
     """
 
     def drop(ref: weakref.ref[torch.Tensor]) -> None:

@@ -14,9 +14,11 @@ worker keeps its segments and fills one again, but only when nothing can still r
   worker wrote when it pickled the batch, ``released``, the use number the receiver writes when
   the last of its batch is freed, and ``retired``. "The last" is counted by a ``_Lease``: every field
   tensor the receiver hands out and every array under a field's storage (``torch.from_numpy``) is
-  a holder, finalized by ``weakref.finalize``; a numpy array taken with ``.numpy()`` holds its
-  tensor, so it keeps the segment even after ``share_memory_()`` moved the tensor's storage away.
-  The worker reuses a segment only when ``released == sent`` and it is not retired.
+  a holder, finalized by ``weakref.finalize``. A storage moved away (``share_memory_()``, a torch
+  Queue) lets go of its array while its field lives: a numpy array taken before (its ``.base`` is
+  an alias tensor, held by nothing counted here) still points into the segment, so that segment is
+  retired and never unmapped (``_Lease._drop``). The worker reuses a segment only when
+  ``released == sent`` and it is not retired.
 
 Retired for good: a segment whose batch was pickled twice (two readers could not both be counted
 by one ``released``), and every segment with a live batch in a process that forks (the child's copy
@@ -46,8 +48,10 @@ exclusive ``flock`` on the owner's own open file description, held for the segme
 segment can be adopted only once its owner has exited (the kernel drops the lock with the process),
 by one worker (the others' ``LOCK_NB`` fails), and only when released and not retired. The reader
 forgets a segment not received in ``KEEP_RECEIVES`` batches once no process owns it (it takes the
-lock itself while it clears ``_READER``); what it keeps after the last DataLoader ends (a pool's
-worth per worker) is freed at exit.
+lock itself while it clears ``_READER``): a new generation adopts within its first few batches, and
+spawned workers never adopt, so unowned segments are not kept long. Each kept segment holds two
+descriptors (Python's mmap keeps a duplicate); what is kept after the last DataLoader ends (up to
+``KEEP_RECEIVES`` segments, a pool's worth per worker) is freed at exit.
 """
 
 from __future__ import annotations
@@ -198,7 +202,7 @@ def on_fork(hook: Any) -> None:
 _kept: dict[bytes, _Kept] = {}
 _kept_lock = threading.Lock()
 _receipts = 0
-KEEP_RECEIVES = 64  # forgotten when not received again in this many batches (a pool cycles in far fewer)
+KEEP_RECEIVES = 16  # unowned and not received again in this many batches: forgotten (a pool cycles in fewer)
 _POPULATE = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # all pages at once: one call, not a fault per page
 
 
