@@ -50,6 +50,7 @@ _POINTER = struct.Struct("<4sQII")
 POINTER_SIZE = _POINTER.size  # 20
 KEY_SIZE = _KEY.size  # 10
 pointer_of = _POINTER.unpack_from
+_PADS = [bytes(k) for k in range(8)]
 
 
 def key(group: int) -> bytes:
@@ -89,10 +90,12 @@ def span(size: int, offset: int, length: int) -> str | None:
 
 def build(values: Sequence[bytes | memoryview]) -> tuple[bytes, list[tuple[int, int]]]:
     """The group of ``values`` and each value's (offset, length) in it."""
-    body = bytearray()
-    spans = []
+    parts, spans, at = [], [], 0
     for value in values:
-        spans.append((len(body), len(value)))
-        body += value
-        body += bytes(-len(value) % 8)
-    return bytes(body), spans
+        size = len(value)
+        spans.append((at, size))
+        parts.append(value)
+        if pad := -size % 8:
+            parts.append(_PADS[pad])
+        at += size + pad
+    return b"".join(parts), spans  # one copy of each value (a growing bytearray copied each many times)
