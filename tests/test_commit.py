@@ -180,7 +180,8 @@ def test_ctrl_c_twice_during_close_leaves_the_cache_usable(cache_dir):
 
 def test_a_batch_due_by_count_is_written_on_the_callers_thread(cache_dir):
     """A miss that fills the queue to commit_every writes the batch itself, before it returns (no thread hand-over,
-    whose GIL ping-pong cost more than the writes); a batch due by time is still the committer thread's."""
+    whose GIL ping-pong cost more than the writes); a batch due by time is still the committer thread's, and so
+    is every batch of sync=True (its fsync overlaps the decodes there)."""
     ds = CachedDataset(Synthetic(20), cache_dir, commit_every=4, commit_interval=0.2)
     queue = ds._live_store().writer._queue
     real_write, writers = queue._write, []
@@ -189,9 +190,16 @@ def test_a_batch_due_by_count_is_written_on_the_callers_thread(cache_dir):
         ds[i]
     assert writers == [(threading.current_thread(), 4)]
     assert committed(cache_dir) == 4
+    synced = CachedDataset(Synthetic(20), cache_dir, commit_every=4, commit_interval=0.2, sync=True)
+    for i in range(4, 8):
+        synced[i]
+    assert wait_until(lambda: committed(cache_dir) == 8)
+    assert writers[1][0] is not threading.current_thread() and writers[1][1] == 4
+    synced.close()
+    writers.clear()
     ds[10]
-    assert wait_until(lambda: committed(cache_dir) == 5)
-    assert writers[1][0] is not threading.current_thread() and writers[1][1] == 1
+    assert wait_until(lambda: committed(cache_dir) == 9)
+    assert writers[0][0] is not threading.current_thread() and writers[0][1] == 1
     ds.close()
 
 

@@ -8,7 +8,8 @@ too). Several datasets may share one queue (one store per directory per process)
 among the queued samples asks for it, so every object's own bound holds.
 
 A batch due by its count or bytes is written on the caller's thread, in one transaction
-(``_commit_here`` says why not on the committer's); the thread writes the batches due by time
+(``_commit_here`` says why not on the committer's), unless every commit is fsynced (``inline``
+False: the thread's fsync then overlaps the caller's decodes); the thread writes the batches due by time
 (an idle process's), and ``drain``'s. One batch is in flight at a time; a second waits
 (back-pressure: a disk slower than the decoders bounds memory).
 
@@ -72,6 +73,7 @@ class CommitQueue:
         self._error: BaseException | None = None
         self._committer: _Committer | None = None
         self._busy = False  # a thread is writing the in-flight batch
+        self.inline = True  # a batch due by count or bytes is written by the caller (_commit_here), else handed off
 
     # All methods below are called with the lock held.
 
@@ -95,7 +97,7 @@ class CommitQueue:
         self.pending[index] = value
         self.pending_bytes += len(value)
         if len(self.pending) >= self._every or self.pending_bytes >= self._bytes:
-            self._commit_here()
+            self._commit_here() if self.inline else self.hand_off()
         elif wake:
             # Only when the deadline moved earlier (the first queued sample, or a stricter policy):
             # waking the thread on every miss would cost a thread switch per sample.
