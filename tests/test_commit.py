@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import torch
 from helpers import Synthetic, assert_same, sample_for
 
 from lmdbcache import CachedDataset
@@ -197,10 +198,32 @@ def test_a_batch_due_by_count_is_written_on_the_callers_thread(cache_dir):
     assert writers[1][0] is not threading.current_thread() and writers[1][1] == 4
     synced.close()
     writers.clear()
+    big = CachedDataset(_Big(4), cache_dir / "big", commit_every=2, commit_interval=3600)
+    big_queue = big._live_store().writer._queue
+    big_write = big_queue._write
+    big_queue._write = lambda batch: (writers.append((threading.current_thread(), len(batch))), big_write(batch))[1]
+    big[0], big[1]
+    big.flush()
+    assert writers[0][0] is not threading.current_thread() and writers[0][1] == 2  # 128 KiB values: the thread's
+    big.close()
+    writers.clear()
     ds[10]
     assert wait_until(lambda: committed(cache_dir) == 9)
     assert writers[0][0] is not threading.current_thread() and writers[0][1] == 1
     ds.close()
+
+
+class _Big(torch.utils.data.Dataset):
+    """Samples of 128 KiB: over INLINE_MEAN."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.full((128, 1024), i, dtype=torch.uint8), i
 
 
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])

@@ -9,7 +9,8 @@ among the queued samples asks for it, so every object's own bound holds.
 
 A batch due by its count or bytes is written on the caller's thread, in one transaction
 (``_commit_here`` says why not on the committer's), unless every commit is fsynced (``inline``
-False: the thread's fsync then overlaps the caller's decodes); the thread writes the batches due by time
+False: the thread's fsync then overlaps the caller's decodes) or its values are large
+(``INLINE_MEAN``); the thread writes the batches due by time
 (an idle process's), and ``drain``'s. One batch is in flight at a time; a second waits
 (back-pressure: a disk slower than the decoders bounds memory).
 
@@ -32,6 +33,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 Batch = list[tuple[int, bytes]]
+# A due batch whose values average less than this is written by the caller (``_commit_here``): its cost is
+# per record, and a committer thread pays a GIL hand-over per record. Larger values (0.9 MB dicts: a few puts,
+# megabytes copied with the GIL released) are handed to the thread, where the copies overlap the decodes.
+INLINE_MEAN = 64 << 10
 
 
 class Policy(NamedTuple):
@@ -97,7 +102,9 @@ class CommitQueue:
         self.pending[index] = value
         self.pending_bytes += len(value)
         if len(self.pending) >= self._every or self.pending_bytes >= self._bytes:
-            self._commit_here() if self.inline else self.hand_off()
+            # Large values (a few puts, megabytes copied with the GIL released) overlap better on the thread.
+            inline = self.inline and self.pending_bytes < INLINE_MEAN * len(self.pending)
+            self._commit_here() if inline else self.hand_off()
         elif wake:
             # Only when the deadline moved earlier (the first queued sample, or a stricter policy):
             # waking the thread on every miss would cost a thread switch per sample.
