@@ -11,7 +11,6 @@ import threading
 import time
 
 import pytest
-import torch
 from helpers import Synthetic, assert_same, sample_for
 
 from lmdbcache import CachedDataset
@@ -177,78 +176,3 @@ def test_ctrl_c_twice_during_close_leaves_the_cache_usable(cache_dir):
     with CachedDataset.open(cache_dir) as again:
         assert again.cached_count == 100
         assert_same(again[5], sample_for(5))
-
-
-def test_a_batch_due_by_count_is_written_on_the_callers_thread(cache_dir):
-    """A miss that fills the queue to commit_every writes the batch itself, before it returns (no thread hand-over,
-    whose GIL ping-pong cost more than the writes); a batch due by time is still the committer thread's, and so
-    is every batch of sync=True (its fsync overlaps the decodes there)."""
-    ds = CachedDataset(Synthetic(20), cache_dir, commit_every=4, commit_interval=0.2)
-    queue = ds._live_store().writer._queue
-    real_write, writers = queue._write, []
-    queue._write = lambda batch: (writers.append((threading.current_thread(), len(batch))), real_write(batch))[1]
-    for i in range(4):
-        ds[i]
-    assert writers == [(threading.current_thread(), 4)]
-    assert committed(cache_dir) == 4
-    synced = CachedDataset(Synthetic(20), cache_dir, commit_every=4, commit_interval=0.2, sync=True)
-    for i in range(4, 8):
-        synced[i]
-    assert wait_until(lambda: committed(cache_dir) == 8)
-    assert writers[1][0] is not threading.current_thread() and writers[1][1] == 4
-    synced.close()
-    writers.clear()
-    big = CachedDataset(_Big(4), cache_dir / "big", commit_every=2, commit_interval=3600)
-    big_queue = big._live_store().writer._queue
-    big_write = big_queue._write
-    big_queue._write = lambda batch: (writers.append((threading.current_thread(), len(batch))), big_write(batch))[1]
-    big[0], big[1]
-    big.flush()
-    assert writers[0][0] is not threading.current_thread() and writers[0][1] == 2  # 128 KiB values: the thread's
-    big.close()
-    writers.clear()
-    ds[10]
-    assert wait_until(lambda: committed(cache_dir) == 9)
-    assert writers[0][0] is not threading.current_thread() and writers[0][1] == 1
-    ds.close()
-
-
-class _Big(torch.utils.data.Dataset):
-    """Samples of 128 KiB: over INLINE_MEAN."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        return torch.full((128, 1024), i, dtype=torch.uint8), i
-
-
-@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
-def test_an_interrupt_inside_a_callers_commit_loses_nothing(cache_dir, interrupt):
-    """Ctrl-C, or a worker's SIGTERM (SystemExit), landing in a commit written on the caller's thread: the batch is
-    queued again and committed by the next flush, every sample right."""
-    ds = CachedDataset(Synthetic(8), cache_dir, commit_every=4, commit_interval=3600)
-    queue = ds._live_store().writer._queue
-    real_write, calls = queue._write, []
-
-    def write_once_interrupted(batch):
-        calls.append(len(batch))
-        if len(calls) == 1:
-            raise interrupt()
-        return real_write(batch)
-
-    queue._write = write_once_interrupted
-    for i in range(3):
-        ds[i]
-    with pytest.raises(interrupt):
-        ds[3]
-    assert finishes(lambda: ds.flush()), "flush() hung after the interrupt"
-    assert committed(cache_dir) == 4
-    ds.close()
-    check = CachedDataset.open(cache_dir)
-    for i in range(4):
-        assert_same(check[i], sample_for(i))
-    check.close()

@@ -7,11 +7,8 @@ too). Several datasets may share one queue (one store per directory per process)
 ``add`` carries its dataset's policy and the queue commits as soon as the strictest policy
 among the queued samples asks for it, so every object's own bound holds.
 
-A batch due by its count or bytes is written on the caller's thread, in one transaction
-(``_commit_here`` says why not on the committer's), unless every commit is fsynced (``inline``
-False: the thread's fsync then overlaps the caller's decodes) or its values are large
-(``INLINE_MEAN``); the thread writes the batches due by time
-(an idle process's), and ``drain``'s. One batch is in flight at a time; a second waits
+The thread writes the batch in one transaction, so the fdatasync of a commit overlaps the
+caller's decoding instead of stalling it. One batch is in flight at a time; a second waits
 (back-pressure: a disk slower than the decoders bounds memory).
 
 Queued and in-flight samples stay readable (``lookup``) until they are committed. The
@@ -33,10 +30,6 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 Batch = list[tuple[int, bytes]]
-# A due batch whose values average less than this is written by the caller (``_commit_here``): its cost is
-# per record, and a committer thread pays a GIL hand-over per record. Larger values (0.9 MB dicts: a few puts,
-# megabytes copied with the GIL released) are handed to the thread, where the copies overlap the decodes.
-INLINE_MEAN = 64 << 10
 
 
 class Policy(NamedTuple):
@@ -78,12 +71,10 @@ class CommitQueue:
         self._error: BaseException | None = None
         self._committer: _Committer | None = None
         self._busy = False  # a thread is writing the in-flight batch
-        self.inline = True  # a batch due by count or bytes is written by the caller (_commit_here), else handed off
 
     # All methods below are called with the lock held.
 
     def add(self, index: int, value: bytes, policy: Policy | None = None) -> None:
-        """Queue ``value``; a queue due now is written on the caller's thread (``_commit_here``)."""
         self.raise_error()
         if index in self.pending or index in self.inflight:
             return
@@ -102,9 +93,7 @@ class CommitQueue:
         self.pending[index] = value
         self.pending_bytes += len(value)
         if len(self.pending) >= self._every or self.pending_bytes >= self._bytes:
-            # Large values (a few puts, megabytes copied with the GIL released) overlap better on the thread.
-            inline = self.inline and self.pending_bytes < INLINE_MEAN * len(self.pending)
-            self._commit_here() if inline else self.hand_off()
+            self.hand_off()
         elif wake:
             # Only when the deadline moved earlier (the first queued sample, or a stricter policy):
             # waking the thread on every miss would cost a thread switch per sample.
@@ -138,50 +127,6 @@ class CommitQueue:
             self._cond.wait()
         self.raise_error()
         return count
-
-    def _commit_here(self) -> None:
-        """Write the due queue on the caller's thread, the lock released meanwhile (as a ``put_many``).
-
-        Not handed to the committer thread: py-lmdb releases the GIL around every put, so a committer
-        writing while the caller decodes takes the GIL back once per record, and every hand-over between
-        the two threads costs more than the put (a 3 KiB miss: 17 us of committer time against 4 here).
-        Meanwhile the batch stays readable (``lookup``) and the thread leaves it alone (``_busy``). An
-        interrupt (Ctrl-C, a worker's SIGTERM as SystemExit) queues the batch again: the exit flush
-        writes it. An error drops it, as the committer thread does (it is decoded again when read).
-        """
-        while self.inflight:
-            self._cond.wait()
-        self.raise_error()
-        if not self.pending:
-            return
-        self.inflight, self.pending, self.pending_bytes = self.pending, {}, 0
-        self._busy = True
-        batch = sorted(self.inflight.items())  # key order: appends to the B-tree
-        written, requeue = 0, False
-        self._cond.release()
-        try:
-            written = self._write(batch)
-        except BaseException as exc:
-            requeue = not isinstance(exc, Exception)
-            raise
-        finally:
-            self._cond.acquire()
-            self._written(written, requeue)
-
-    def _written(self, written: int, requeue: bool = False) -> None:
-        """The in-flight batch is written (``written`` records new), or not and ``requeue``: queued again."""
-        if requeue:
-            for index, value in self.inflight.items():
-                if index not in self.pending:
-                    self.pending[index] = value
-                    self.pending_bytes += len(value)
-            self._ensure_thread()  # its deadline commits them if no caller does
-        self.inflight = {}
-        self._busy = False
-        self.written += written
-        if self._on_idle is not None:
-            self._on_idle()
-        self._cond.notify_all()
 
     def begin_direct(self, batch: Batch) -> None:
         """Mark ``batch`` as being written by the caller's thread (a close or a fork waits for it)."""
@@ -268,6 +213,11 @@ class CommitQueue:
             except BaseException as exc:  # handed to the next caller, on its own thread
                 error, written = exc, 0
             with cond:
+                self.inflight = {}
+                self._busy = False
+                self.written += written
                 if error is not None:
                     self._error = error
-                self._written(written)
+                if self._on_idle is not None:
+                    self._on_idle()
+                cond.notify_all()

@@ -63,23 +63,11 @@ class Writer:
     def __init__(self, handle: Handle, policy: Policy, sync: bool = False) -> None:
         self._h = handle
         self._lock = handle._lock
+        self.sync = sync  # fsync every commit (else once, at close; see _fs on the unsynced marker)
         self._unsynced = False  # this process committed without a sync since the last one
         self._file_lock: filelock.BaseFileLock | None = None
         self._close_when_idle = False  # close() was interrupted while a batch was being written
         self._queue = CommitQueue(handle._lock, self._write_batch, policy, on_idle=self._idle)
-        self.sync = sync
-
-    @property
-    def sync(self) -> bool:
-        """Every commit fsynced (else once, at close; see _fs on the unsynced marker)."""
-        return self._sync
-
-    @sync.setter
-    def sync(self, value: bool) -> None:
-        self._sync = value
-        # An fsync per commit is a wait with the GIL released: on the committer thread it overlaps the
-        # caller's decodes, with no GIL hand-over per put to pay for (CommitQueue._commit_here).
-        self._queue.inline = not value
 
     def lookup(self, index: int) -> bytes | None:
         """The encoded value of ``index`` if it is queued or in flight here (not yet committed), else None.
