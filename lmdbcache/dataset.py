@@ -16,6 +16,7 @@ from ._options import check_options, parse_size
 from .errors import CacheMismatchError, CorruptSampleError, InvalidOptionError, SampleNotCachedError, add_note
 from .format._compress import check as check_compression
 from .format._diff import first_difference
+from .format._encode import encode_miss
 from .format.codec import decode, encode
 from .store import _registry
 from .store._commit import Policy
@@ -310,7 +311,7 @@ class CachedDataset(Dataset[Any]):
         # Each sample is queued as soon as the source returns it: a worker told to end (SIGTERM at the
         # script's exit, see store/_registry.py) mid-batch keeps what it already decoded.
         for i, raw in self._source_samples(indices):
-            value = encode(raw, i)
+            value = encode_miss(raw, i)
             store.add(i, store.compress(value), self._build, self._policy)
             # Decoded from the bytes just stored: exactly what a later hit returns (same types,
             # contiguous, writable). No data checksum: these bytes never left this process.
@@ -327,7 +328,7 @@ class CachedDataset(Dataset[Any]):
         except Exception as exc:
             add_note(exc, f"lmdbcache: raised by the source dataset reading index {index} (cache '{self.path}')")
             raise
-        value = encode(raw, index)
+        value = encode_miss(raw, index)
         store.add(index, store.compress(value), self._build, self._policy)
         return decode_new(value, index)  # as _fill: exactly what a later hit returns
 

@@ -17,6 +17,7 @@ from test_cli import cli
 from test_processes import FILL_SCRIPT, check_cache, run_script, wait_for_count
 
 from lmdbcache import FORMAT_VERSION, CachedDataset, CorruptSampleError
+from lmdbcache.format.codec import encode
 from lmdbcache.store import _registry
 
 # Every entry of a cache, read straight from LMDB in another process (py-lmdb refuses a second environment on a
@@ -115,6 +116,24 @@ def test_a_lone_small_value_is_stored_alone(cache_dir):
     ds.close()
     pointers, singles, groups = layout(cache_dir)
     assert (pointers, singles, groups) == ({}, [0, 1, 2], {})
+
+
+def test_a_commit_meeting_stored_indices_groups_only_the_new_ones(cache_dir):
+    """A commit whose batch holds indices already stored (by another process, say) keeps the stored values and groups
+    only the new ones: the hopeful single putmulti of the pointers is undone and the batch written again."""
+    src = Synthetic(40)
+    ds = CachedDataset(src, cache_dir)
+    store = ds._live_store()
+    assert store.put_many([(i, encode(src[i], i)) for i in range(10)], ds._build) == 10
+    assert store.put_many([(i, encode(src[i], i)) for i in range(5, 20)], ds._build) == 10
+    ds.close()
+    pointers = assert_nothing_orphaned(cache_dir)
+    assert sorted(pointers) == list(range(20))
+    assert {pointers[i][0] for i in range(10)} == {0} and {pointers[i][0] for i in range(10, 20)} == {1}
+    check = CachedDataset.open(cache_dir)
+    for i in range(20):
+        assert_same(check[i], sample_for(i))
+    check.close()
 
 
 def test_three_processes_filling_at_once_keep_the_first_writer(cache_dir):

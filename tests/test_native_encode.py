@@ -1,5 +1,6 @@
-"""The core's flat writer (``core.encode_flat``, a miss's value in one call) against the Python encoder: byte-identical
-values over random flat samples, and every sample it does not plan for handed back to Python (None), never written.
+"""The core's flat writer (``core.encode_flat``; ``core.encode_sample``: a miss's value in one call) against the Python
+encoder: byte-identical values over random flat samples, and every sample it does not plan for handed back to Python
+(None), never written.
 """
 
 from __future__ import annotations
@@ -38,12 +39,12 @@ DTYPES = [
 
 def _python(sample: Any, index: int) -> bytes:
     """The value as the pure-Python encoder writes it."""
-    saved = _encode._encode_flat
+    saved = _encode._encode_flat, _encode._encode_sample
     _encode.use_native(None)
     try:
         return encode(sample, index)
     finally:
-        _encode.use_native(saved)
+        _encode.use_native(*saved)
 
 
 def _tensor(rng: random.Random, dtype: torch.dtype) -> torch.Tensor:
@@ -98,7 +99,8 @@ def test_core_and_python_write_the_same_bytes(seed: int) -> None:
             expected = _python(sample, index)
             for _ in range(2):
                 assert encode(sample, index) == expected
-            value = _encode._native_flat(sample, index)
+            assert _encode.encode_miss(sample, index) == expected
+            value = _encode._native_flat(sample, index)  # core.encode_sample: the kind, plan, views in one call
             if value is not None:
                 written += 1
                 assert value == expected
@@ -163,3 +165,42 @@ def test_encode_flat_checks_its_arguments() -> None:
         core.encode_flat(prefix, codes, [arr], (7,), 9)
     with pytest.raises(OverflowError):
         core.encode_flat(prefix, codes, (arr,), (7,), -1)
+
+
+def test_encode_sample_takes_only_what_its_plan_names() -> None:
+    """``core.encode_sample`` finds the plan Python's kind finds and writes the same bytes; a tensor subclass, a
+    list, an unplanned kind or a hostile plan (positions out of range, wrong shapes) give None, never a crash."""
+    assert core is not None and _encode._encode_sample is not None
+    sample = (torch.arange(6, dtype=torch.int16).reshape(2, 3), 7, 0.5)
+    encode(sample, 0)
+    key = _encode._kind(sample)
+    plans = _encode._FLAT_PLANS
+    assert core.encode_sample(sample, 9, plans, torch.Tensor) == _python(sample, 9)
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert core.encode_sample((sample[0].as_subclass(Sub), 7, 0.5), 9, plans, torch.Tensor) is None
+    assert core.encode_sample(list(sample), 9, plans, torch.Tensor) is None
+    unplanned = (torch.zeros(3, 11, dtype=torch.int16), 7)
+    assert _encode._kind(unplanned) not in plans
+    assert core.encode_sample(unplanned, 9, plans, torch.Tensor) is None
+    assert core.encode_sample((), 9, plans, torch.Tensor) is None
+    prefix, pack, tensors, scalars, codes = plans[key]
+    hostile = [
+        (prefix, pack, ((5, None),), scalars, codes),  # a tensor position past the sample
+        (prefix, pack, ((-1, None),), scalars, codes),
+        (prefix, pack, tensors, (1, 9), codes),  # a scalar position past the sample
+        (prefix, pack, ((1, None),), scalars, codes),  # an int where a tensor is named: no numpy()
+        (prefix, pack, (("0", None),), scalars, codes),
+        (prefix, pack, ((0,),), scalars, codes),
+        (prefix, pack, tensors, scalars),
+        (prefix, pack, [(0, None)], scalars, codes),
+        "not a plan",
+    ]
+    for plan in hostile:
+        assert core.encode_sample(sample, 9, {key: plan}, torch.Tensor) is None, plan
+    with pytest.raises(TypeError):
+        core.encode_sample(sample, 9, None, torch.Tensor)
+    with pytest.raises(OverflowError):
+        core.encode_sample(sample, -1, plans, torch.Tensor)

@@ -1534,6 +1534,122 @@ fail:
     return NULL;
 }
 
+/* ------------------------------------------------------------------------------------------
+ * A miss's flat value in one call (encode_sample): what format/_encode.py's _native_flat does in Python
+ * (the sample's kind, its plan, each tensor's numpy() view, then encode_flat), without its frames and lists.
+ * The kind is built exactly as _encode._kind builds it (a tuple: (dtype, shape) for an item whose type is
+ * exactly the tensor type, the item's type for any other), so the plan found is the one Python would find.
+ * Nothing is trusted: the plan's positions are bounds-checked, and encode_flat checks the buffers against
+ * the signature. Any step Python's path would give up on (no plan, a numpy() or view() that raises
+ * RuntimeError, TypeError or ValueError) returns None, and the Python encoder writes or refuses the sample
+ * itself; any other error propagates, as it does from _native_flat. */
+
+static PyObject *str_dtype = NULL, *str_shape = NULL, *str_numpy = NULL; /* interned at import */
+
+PyDoc_STRVAR(py_encode_sample_doc,
+             "encode_sample(sample, index, plans, tensor_type, /) -> bytes | None\n\n"
+             "The flat value of ``sample`` under ``index`` when its kind is planned in ``plans`` (format/_encode.py's\n"
+             "_FLAT_PLANS: kind -> (prefix, pack, ((position, carrier dtype or None), ...), scalar positions, codes)),\n"
+             "written as encode_flat writes it; None: not a tuple, not planned, or a view the Python path refuses.");
+
+/* Python's _native_flat gives up (returns None) on these; anything else propagates. */
+static int give_up(void) {
+    if (PyErr_ExceptionMatches(PyExc_RuntimeError) || PyErr_ExceptionMatches(PyExc_TypeError) ||
+        PyErr_ExceptionMatches(PyExc_ValueError)) {
+        PyErr_Clear();
+        return 1;
+    }
+    return 0;
+}
+
+/* The kind of ``sample`` (n items) as _encode._kind builds it, or NULL with an exception set. */
+static PyObject *sample_kind(PyObject *sample, Py_ssize_t n, PyObject *tensor_type) {
+    PyObject *key = PyTuple_New(n);
+    if (key == NULL) return NULL;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *item = PyTuple_GET_ITEM(sample, k), *entry;
+        if ((PyObject *)Py_TYPE(item) == tensor_type) {
+            PyObject *dtype = PyObject_GetAttr(item, str_dtype);
+            PyObject *shape = dtype == NULL ? NULL : PyObject_GetAttr(item, str_shape);
+            entry = shape == NULL ? NULL : PyTuple_Pack(2, dtype, shape);
+            Py_XDECREF(dtype);
+            Py_XDECREF(shape);
+            if (entry == NULL) {
+                Py_DECREF(key);
+                return NULL;
+            }
+        } else {
+            entry = Py_NewRef((PyObject *)Py_TYPE(item));
+        }
+        PyTuple_SET_ITEM(key, k, entry);
+    }
+    return key;
+}
+
+/* sample[position] for a position read from a plan, or NULL (no exception): out of range. */
+static PyObject *plan_item(PyObject *sample, Py_ssize_t n, PyObject *position) {
+    Py_ssize_t at = PyLong_Check(position) ? PyLong_AsSsize_t(position) : -1;
+    if (at == -1 && PyErr_Occurred()) PyErr_Clear();
+    return at >= 0 && at < n ? PyTuple_GET_ITEM(sample, at) : NULL;
+}
+
+static PyObject *py_encode_sample(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyDict_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "encode_sample() takes (sample, index, plans: dict, tensor_type)");
+        return NULL;
+    }
+    PyObject *sample = args[0], *tensor_type = args[3];
+    if (!PyTuple_CheckExact(sample)) Py_RETURN_NONE;
+    Py_ssize_t n = PyTuple_GET_SIZE(sample);
+    if (n == 0 || n > MAX_ITEMS) Py_RETURN_NONE;
+    PyObject *key = sample_kind(sample, n, tensor_type);
+    if (key == NULL) return give_up() ? Py_NewRef(Py_None) : NULL; /* a nested tensor has no shape */
+    PyObject *plan = PyDict_GetItemWithError(args[2], key); /* borrowed */
+    Py_DECREF(key);
+    if (plan == NULL) return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != 5) Py_RETURN_NONE;
+    Py_INCREF(plan); /* numpy() and view() could in principle run Python code that edits the plans */
+    PyObject *tensors = PyTuple_GET_ITEM(plan, 2), *scalars_at = PyTuple_GET_ITEM(plan, 3);
+    PyObject *bufs = NULL, *scalars = NULL, *out = NULL;
+    if (!PyTuple_Check(tensors) || !PyTuple_Check(scalars_at)) goto none;
+    Py_ssize_t ntensors = PyTuple_GET_SIZE(tensors), nscalars = PyTuple_GET_SIZE(scalars_at);
+    if ((bufs = PyTuple_New(ntensors)) == NULL || (scalars = PyTuple_New(nscalars)) == NULL) goto fail;
+    for (Py_ssize_t j = 0; j < ntensors; j++) {
+        PyObject *spec = PyTuple_GET_ITEM(tensors, j), *item, *viewed, *arr;
+        if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 2) goto none;
+        item = plan_item(sample, n, PyTuple_GET_ITEM(spec, 0));
+        if (item == NULL || (PyObject *)Py_TYPE(item) != tensor_type) goto none; /* the plan names a tensor */
+        PyObject *carrier = PyTuple_GET_ITEM(spec, 1);
+        viewed = carrier == Py_None ? Py_NewRef(item) : PyObject_CallMethodOneArg(item, str_view, carrier);
+        if (viewed == NULL) goto error;
+        arr = PyObject_CallMethodNoArgs(viewed, str_numpy);
+        Py_DECREF(viewed);
+        if (arr == NULL) goto error;
+        PyTuple_SET_ITEM(bufs, j, arr);
+    }
+    for (Py_ssize_t j = 0; j < nscalars; j++) {
+        PyObject *item = plan_item(sample, n, PyTuple_GET_ITEM(scalars_at, j));
+        if (item == NULL) goto none;
+        PyTuple_SET_ITEM(scalars, j, Py_NewRef(item));
+    }
+    PyObject *flat_args[5] = {PyTuple_GET_ITEM(plan, 0), PyTuple_GET_ITEM(plan, 4), bufs, scalars, args[1]};
+    out = py_encode_flat(self, flat_args, 5);
+    if (out == NULL) goto error;
+    goto done;
+error:
+    if (!give_up()) goto fail;
+none:
+    out = Py_NewRef(Py_None);
+    goto done;
+fail:
+    out = NULL;
+done:
+    Py_DECREF(plan);
+    Py_XDECREF(bufs);
+    Py_XDECREF(scalars);
+    return out;
+}
+
 PyDoc_STRVAR(py_view_doc,
              "view(address, size, /) -> memoryview\n\n"
              "A read-only view of ``size`` bytes of this process's memory at ``address`` (the map: the caller\n"
@@ -1762,6 +1878,7 @@ static PyMethodDef core_methods[] = {
     {"set_plans", py_set_plans, METH_O, py_set_plans_doc},
     {"decode_flat", (PyCFunction)(void (*)(void))py_decode_flat, METH_FASTCALL, py_decode_flat_doc},
     {"encode_flat", (PyCFunction)(void (*)(void))py_encode_flat, METH_FASTCALL, py_encode_flat_doc},
+    {"encode_sample", (PyCFunction)(void (*)(void))py_encode_sample, METH_FASTCALL, py_encode_sample_doc},
     {"view", py_view, METH_VARARGS, py_view_doc},
     {"address", py_address, METH_O, py_address_doc},
     {NULL, NULL, 0, NULL},
@@ -1797,6 +1914,12 @@ PyMODINIT_FUNC PyInit__core(void) {
         return NULL;
     }
     if (str_view == NULL && (str_view = PyUnicode_InternFromString("view")) == NULL) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    if ((str_dtype == NULL && (str_dtype = PyUnicode_InternFromString("dtype")) == NULL) ||
+        (str_shape == NULL && (str_shape = PyUnicode_InternFromString("shape")) == NULL) ||
+        (str_numpy == NULL && (str_numpy = PyUnicode_InternFromString("numpy")) == NULL)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -77,12 +77,25 @@ _TORCH_TO_CODE: TorchToCode = {}
 # The compiled core's flat writer (``core.encode_flat``), handed in by the store when the core is
 # loaded (``use_native``): this part never imports the core. None: every value is written here.
 _encode_flat: Callable[..., bytes | None] | None = None
+# And its whole flat path in one call (``core.encode_sample``: the kind, the plan, the views, the value).
+_encode_sample: Callable[..., bytes | None] | None = None
 
 
-def use_native(encode_flat: Callable[..., bytes | None] | None) -> None:
-    """Write planned flat samples with ``encode_flat`` (``core.encode_flat``), or here again (None)."""
-    global _encode_flat
-    _encode_flat = encode_flat
+def use_native(
+    encode_flat: Callable[..., bytes | None] | None, encode_sample: Callable[..., bytes | None] | None = None
+) -> None:
+    """Write planned flat samples with ``encode_flat`` (``core.encode_flat``), the plan found by ``encode_sample``
+    (``core.encode_sample``) if given, or here again (None)."""
+    global _encode_flat, _encode_sample
+    _encode_flat, _encode_sample = encode_flat, encode_sample if encode_flat is not None else None
+
+
+def encode_miss(sample: Any, index: int) -> bytes:
+    """``encode(sample, index)`` for a dataset's miss, whose index is an int in range: a planned flat sample is
+    written by one core call, without encode's checks of the index."""
+    if _encode_sample is not None and (value := _encode_sample(sample, index, _FLAT_PLANS, _Tensor)) is not None:
+        return value
+    return encode(sample, index)
 
 
 def _bind_torch() -> None:
@@ -397,6 +410,8 @@ def _native_flat(sample: tuple[Any, ...], index: int) -> bytes | None:
     """The whole value of a planned flat sample, written by the core (``use_native``); None: not planned, or
     anything the core does not take as planned (it checks the buffers against the signature). Encoded here then.
     """
+    if _encode_sample is not None:  # the same steps in one call
+        return _encode_sample(sample, index, _FLAT_PLANS, _Tensor)
     try:
         plan = _FLAT_PLANS.get(_kind(sample))
         if plan is None:

@@ -42,7 +42,7 @@ _index_key = struct.Struct(">Q").pack  # an index's key
 MISSING: Any = type("Missing", (), {"__repr__": lambda self: "MISSING"})()
 if _native.core is not None:
     _native.core.set_plans(NATIVE_PLANS)  # the flat plans Tree.sample decodes with (the decoder fills them)
-    _encode.use_native(_native.core.encode_flat)  # a miss's planned flat sample written in one call
+    _encode.use_native(_native.core.encode_flat, getattr(_native.core, "encode_sample", None))  # a miss: one call
 _decode_flat = _native.core.decode_flat if _native.core is not None else None
 
 

@@ -49,6 +49,10 @@ _PKEY = _pack.key
 _TAG = _pack.TAG
 
 
+class _Present(Exception):
+    """Raised inside a write transaction to abort it: a hopeful ``_put_grouped`` met an index already present."""
+
+
 class Writer:
     """Queueing, committing and deleting samples (see the module docstring): its own state, over ``handle``.
 
@@ -172,8 +176,7 @@ class Writer:
         """
         if not batch:
             return 0
-        items = [(_KEY(i), v) for i, v in batch]
-        need = sum(len(k) + len(v) for k, v in items)
+        need = sum([len(v) for _, v in batch]) + 8 * len(batch)
         with self.file_lock():
             with self._lock:
                 env = self._h._env or self._h._env_or_open()
@@ -181,17 +184,23 @@ class Writer:
                 self._h._reserve(env, need)
             # The marker goes down (fsynced) before any byte of an unsynced commit: see _fs.
             durable = self.sync or not _fs.mark_unsynced(self._h.path, self._settings())
+            hopeful = True  # every small index taken for absent (_put_grouped), until one is not
             for _ in range(64):
                 try:
                     written = 0
                     with env.begin(write=True) as txn:
                         self._check_cache_id(txn)
-                        written = self._put_packed(txn, batch) if self._h._pack else self._put_grouped(txn, batch)
+                        if self._h._pack:
+                            written = self._put_packed(txn, batch)
+                        elif (written := self._put_grouped(txn, batch, hopeful)) < 0:
+                            raise _Present
                     if durable:
                         env.sync(True)
                     else:
                         self._unsynced = True
                     return written
+                except _Present:  # the transaction is aborted: write the batch again, looking each index up
+                    hopeful = False
                 except lmdb.MapFullError:
                     with self._lock:
                         self._h._set_mapsize(env, grown_size(env, need))
@@ -202,7 +211,7 @@ class Writer:
                     raise write_failure(
                         exc,
                         self._h.path,
-                        f"{len(items)} samples were not cached (they are decoded again on the next read; "
+                        f"{len(batch)} samples were not cached (they are decoded again on the next read; "
                         "everything committed before is intact)",
                     ) from exc
         raise LmdbCacheError(f"Cache '{self._h.path}': could not make room for {need} bytes after 64 map growths.")
@@ -227,34 +236,42 @@ class Writer:
                         txn.put(_KEY(index), _pack.value(whole, index - first, n), db=db)
         return deleted
 
-    def _put_grouped(self, txn: lmdb.Transaction, batch: list[tuple[int, bytes]]) -> int:
+    def _put_grouped(self, txn: lmdb.Transaction, batch: list[tuple[int, bytes]], hopeful: bool = True) -> int:
         """Write ``batch`` into ``txn``: its small values absent so far as groups and pointers, the rest alone.
 
         An index already present is skipped (the first commit wins) before its value joins a group, so a
         group holds no byte that nothing points to. A lone small value is stored alone: a group of one
-        saves nothing. Returns how many indices were new.
+        saves nothing. Returns how many indices were new, or -1: ``hopeful`` took every small index for
+        absent and one was not (the caller aborts ``txn`` and writes the batch again, not hopeful).
+
+        Hopeful, the usual case (one process filling), costs one ``putmulti`` of the pointers instead
+        of a ``get`` and a ``put`` per index: py-lmdb releases the GIL around each of them.
         """
-        db, get, put = self._h._samples, txn.get, txn.put
-        written, small = 0, []
-        for index, value in batch:
-            if len(value) >= _group.SMALL:
-                written += put(_KEY(index), value, db=db, overwrite=False)
-            elif get(_KEY(index), db=db) is None:
-                small.append((index, value))
+        db, small_size = self._h._samples, _group.SMALL
+        cursor = txn.cursor(db=db)
+        large = [(_KEY(i), v) for i, v in batch if len(v) >= small_size]
+        written = cursor.putmulti(large, overwrite=False)[1] if large else 0
+        if hopeful:
+            small = [(i, v) for i, v in batch if len(v) < small_size]
+        else:
+            get = txn.get
+            small = [(i, v) for i, v in batch if len(v) < small_size and get(_KEY(i), db=db) is None]
         if len(small) < 2:
-            return written + sum(put(_KEY(i), v, db=db, overwrite=False) for i, v in small)
-        group = self._next_group(txn)
-        at = 0
+            added = cursor.putmulti([(_KEY(i), v) for i, v in small], overwrite=False)[1] if small else 0
+            return written + added
+        group, at, limit = self._next_group(txn), 0, _group.MAX_GROUP
         while at < len(small):
             end, size = at, 0
-            while end < len(small) and (end == at or size + len(small[end][1]) + 8 <= _group.MAX_GROUP):
+            while end < len(small) and (end == at or size + len(small[end][1]) + 8 <= limit):
                 size += len(small[end][1]) + 8
                 end += 1
             record, spans = _group.build([v for _, v in small[at:end]])
-            if not put(_group.key(group), record, db=db, overwrite=False):
+            if not txn.put(_group.key(group), record, db=db, overwrite=False):
                 raise CorruptCacheError(f"Cache '{self._h.path}' is damaged: a key sorts after its groups'. {REBUILD}")
-            for (index, _), (offset, length) in zip(small[at:end], spans):
-                put(_KEY(index), _group.pointer(group, offset, length), db=db)
+            pointer = _group.pointer
+            pointers = [(_KEY(i), pointer(group, o, n)) for (i, _), (o, n) in zip(small[at:end], spans)]
+            if cursor.putmulti(pointers, overwrite=False)[1] != len(pointers):
+                return -1  # an index was present (another process stored it): its value must not join a group
             group, at = group + 1, end
         return written + len(small)
 
