@@ -783,7 +783,10 @@ typedef struct {
  * LOC_UNCHECKED), or the pack record holding the index's value (its slot read by the reader: pack_value). */
 #define LOC_UNCHECKED (1ULL << 63)
 #define LOC_PACK (1ULL << 62)
-#define LOC_SIZE (LOC_PACK - 1)
+#define LOC_SLOT (1ULL << 61) /* a pack's value, located (tree_locate): its length, then its start in the pack << 30 */
+#define LOC_SIZE (LOC_SLOT - 1)
+#define SLOT_BITS 30
+#define SLOT_MAX ((1ULL << SLOT_BITS) - 1)
 
 #define TABLE_MAX (1ULL << 27) /* entries: a dataset length past this (2 GB of table) keeps walking the tree */
 
@@ -981,12 +984,39 @@ static void tree_index(TreeObject *t, uint64_t count, int force) {
     if (t->table == NULL) t->table_state = -1;
 }
 
-/* locate_index, answered by the table when there is one. */
+/* Once a pack's record has passed pack_value's checks (magic and count), every value of it that pack_value locates
+ * is entered in the table as a slot (LOC_SLOT: the value's offset; its length and its start in the pack in the
+ * size), so that a later read of any of them skips the pack's slots (a second epoch's batches, or a random read of
+ * a pack read before, then read what an unpacked cache reads). The pack's overflow page number stays checked on
+ * every read (LOC_UNCHECKED kept: the page's first bytes, found from the start). A slot that fails, or too long
+ * to enter, keeps its pack entry: its read meets pack_value's error as before. A Tree's snapshot never changes,
+ * so the answers are the same. */
+static void table_resolve_pack(TreeObject *t, uint64_t first, uint64_t n, uint64_t offset, uint64_t size,
+                               uint64_t unchecked) {
+    for (uint64_t j = 0; j < n; j++) {
+        uint64_t at, len;
+        if (pack_value(&t->m, offset, size, j, n, &at, &len) == LK_OK && at - offset <= SLOT_MAX && len <= SLOT_MAX)
+            t->table[first + j] = (Loc){at, len | (at - offset) << SLOT_BITS | LOC_SLOT | unchecked};
+    }
+}
+
+/* locate_index, answered by the table when there is one. Called with the store's lock held (as tree_index): a
+ * pack's slots are written into the table at its first read. */
 static int tree_locate(TreeObject *t, uint64_t index, uint64_t *offset, uint64_t *size) {
     if (t->table != NULL && index < t->length) {
         Loc e = t->table[index];
         if (e.offset == 0) return e.size ? (int)e.size : LK_NOTFOUND;
         uint64_t sz = e.size & LOC_SIZE;
+        if (e.size & LOC_SLOT) {
+            uint64_t len = sz & SLOT_MAX, start = sz >> SLOT_BITS & SLOT_MAX;
+            /* Checked when entered (pack_value): again, as any entry; the pack's record starts at e.offset - start */
+            if (len > t->m.len || e.offset > t->m.len - len || e.offset < PAGE_HEADER + start) return LK_OVERFLOW;
+            int rc = e.size & LOC_UNCHECKED ? overflow_header(&t->m, e.offset - start) : LK_OK;
+            if (rc) return rc;
+            *offset = e.offset;
+            *size = len;
+            return LK_OK;
+        }
         if (sz > t->m.len || e.offset > t->m.len - sz) return LK_OVERFLOW; /* checked by the walk: again */
         int rc = e.size & LOC_UNCHECKED ? overflow_header(&t->m, e.offset) : LK_OK;
         if (rc) return rc;
@@ -996,7 +1026,9 @@ static int tree_locate(TreeObject *t, uint64_t index, uint64_t *offset, uint64_t
             return LK_OK;
         }
         uint64_t first = index - index % t->pack, n = t->length - first < t->pack ? t->length - first : t->pack;
-        return pack_value(&t->m, e.offset, sz, index - first, n, offset, size);
+        rc = pack_value(&t->m, e.offset, sz, index - first, n, offset, size);
+        if (rc == LK_OK) table_resolve_pack(t, first, n, e.offset, sz, e.size & LOC_UNCHECKED);
+        return rc;
     }
     return locate_index(&t->m, t->root, t->depth, &t->groups, index, t->pack, t->length, offset, size);
 }
