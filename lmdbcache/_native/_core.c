@@ -444,6 +444,10 @@ static int node_at(const Map *m, const uint8_t *p, unsigned i, const uint8_t **n
 
 /* LMDB's default key order (mdb_cmp_memn): bytes, then the shorter first. */
 static inline int key_cmp(const uint8_t *a, size_t alen, const uint8_t *b, size_t blen) {
+    if (alen == 8 && blen == 8) { /* an index's key (big-endian): one comparison, not a call to memcmp */
+        uint64_t x = swap64(le64(a)), y = swap64(le64(b));
+        return (x > y) - (x < y);
+    }
     int c = memcmp(a, b, alen < blen ? alen : blen);
     if (c) return c;
     return alen < blen ? -1 : alen > blen;
@@ -805,8 +809,7 @@ static void table_enter(const Map *m, uint64_t root, unsigned depth, Groups *see
                         uint64_t *covered_lo, uint64_t *covered_hi) {
     uint64_t at = 0, sz = 0;
     if (ks == 9 && k[8] == 'P' && pack) {
-        uint64_t first = 0;
-        for (int b = 0; b < 8; b++) first = first << 8 | k[b];
+        uint64_t first = swap64(le64(k)); /* the key's first 8 bytes, big-endian */
         if (first % pack || first >= length) return; /* never looked up: locate_index asks for first = i - i % pack */
         uint64_t n = length - first < pack ? length - first : pack;
         int unchecked = 0;
@@ -819,8 +822,7 @@ static void table_enter(const Map *m, uint64_t root, unsigned depth, Groups *see
         return;
     }
     if (ks != 8) return; /* a group's record (or another key): never an index's */
-    uint64_t index = 0;
-    for (int b = 0; b < 8; b++) index = index << 8 | k[b];
+    uint64_t index = swap64(le64(k)); /* big-endian */
     if (index >= length || (index >= *covered_lo && index < *covered_hi)) return; /* past the table; or packed */
     int unchecked = 0;
     int rc = leaf_value_lazy(m, p, nd, &at, &sz, &unchecked);
@@ -879,8 +881,9 @@ static Loc *table_build(const Map *m, uint64_t root, unsigned depth, uint64_t pa
             if (!(flags & P_LEAF) || (flags & (P_BRANCH | P_LEAF2 | P_OVERFLOW | P_META))) goto fail;
             for (unsigned i = 0; i < n; i++) {
                 if (node_at(m, p, i, &nd, &k, &ks)) goto fail;
-                if ((last && key_cmp(last, lastlen, k, ks) >= 0) || (parent.lo && key_cmp(k, ks, parent.lo, parent.lolen) < 0) ||
-                    (parent.hi && key_cmp(k, ks, parent.hi, parent.hilen) >= 0))
+                /* Strictly increasing keys: the page's first inside lo and its last below hi put all of them there */
+                if ((last && key_cmp(last, lastlen, k, ks) >= 0) || (i == 0 && parent.lo && key_cmp(k, ks, parent.lo, parent.lolen) < 0) ||
+                    (i + 1 == n && parent.hi && key_cmp(k, ks, parent.hi, parent.hilen) >= 0))
                     goto fail; /* out of order, or where tree_find would not look for it */
                 last = k, lastlen = ks;
                 table_enter(m, root, depth, seen, p, nd, k, ks, pack, length, table, &covered_lo, &covered_hi);
