@@ -1175,6 +1175,34 @@ def test_cold_large_values_read_the_same_both_ways(tmp_path: Any) -> None:
     assert native == python and native[:12] == [_bytes_of(make(i)) for i in order]
 
 
+_MINCORE_CHILD = """
+import sys, torch
+from lmdbcache import CachedDataset
+ds = CachedDataset.open(sys.argv[1])
+for i in list(range(150)) * 2:
+    image, label = ds[i]
+    assert label == i and bool((image == i % 251).all()), i
+"""
+
+
+@needs_core
+@pytest.mark.skipif(sys.platform != "linux" or not os.path.exists("/usr/bin/strace"), reason="counts syscalls: strace")
+def test_warm_large_single_reads_stop_asking_whether_they_are_cold(tmp_path: Any) -> None:
+    """ds[i] of large values asks mincore() whether each is cold until 64 in a row were in memory, then times its
+    reads instead: 300 warm reads of 27 KiB values ask 64 times and a few more (not 300), and read right."""
+    path = str(tmp_path / "c.lmdb")
+    ds = CachedDataset(Listed([(torch.full((3, 96, 96), i % 251, dtype=torch.uint8), i) for i in range(150)]), path)
+    ds.__getitems__(list(range(150)))
+    ds.close()
+    log = str(tmp_path / "strace.log")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    cmd = ["/usr/bin/strace", "-f", "-e", "trace=mincore", "-o", log, sys.executable, "-c", _MINCORE_CHILD, path]
+    subprocess.run(cmd, env=env, check=True, timeout=120)
+    with open(log) as f:
+        asked = sum("mincore(" in line for line in f)
+    assert 64 <= asked < 100, asked
+
+
 @needs_core
 def test_a_plan_the_core_cannot_follow_leaves_the_value_to_decode() -> None:
     """Plans that do not describe their value (wrong sizes, a bad order, wrong types) make decode_flat answer

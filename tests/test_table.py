@@ -75,11 +75,36 @@ def test_the_table_answers_what_the_walk_answers(tmp_path: Any, pack: int, commi
     _, _, base, length, psize, root, depth, _ = tree
     r = ds._live_store().reader  # type: ignore[attr-defined]
     everything = list(range(n + 20))
-    for k in everything:
+    for k in everything + everything:  # twice: a pack's first read enters its values in the table (its slots)
         assert core is not None
         want = core.locate_batch(base, length, psize, root, depth, [k], r._h._pack, r._h._length, None, False)
         assert t.locate_batch([k], None, False) == want, k
     ds.close()
+
+
+def test_a_broken_slot_of_a_pack_read_before_keeps_its_error(tmp_path: Any) -> None:
+    """A pack whose slot of index 13 points before its values: the pack's first read (index 8) enters its other
+    values in the table, and index 13 raises the pack's error on every read, as without a table."""
+    path = str(tmp_path / "c.lmdb")
+    n, pack = 45, 8
+    _fill_cache(path, n, pack, list(range(n)))
+    ds = CachedDataset.open(path)
+    at = _pack_record_offset(_tree(ds)[0], ds._live_store().reader, 13)  # type: ignore[attr-defined]
+    ds.close()
+    with open(os.path.join(path, "data.mdb"), "r+b") as f:
+        f.seek(at + 8 + 8 * 5)  # the u32 start of slot 5 (index 13): 0 is inside the pack's header
+        f.write(b"\0\0\0\0")
+    with _threshold(*ALWAYS):
+        ds = CachedDataset.open(path)
+        for _ in range(2):
+            for i in range(8, 16):
+                if i == 13:
+                    with pytest.raises(LmdbCacheError, match="pack holding index 13"):
+                        ds[i]
+                else:
+                    assert _bytes_of(ds[i]) == _bytes_of(sample_for(i)), i
+        assert _tree(ds)[1].index(False) == 1
+        ds.close()
 
 
 @pytest.mark.parametrize(("pack", "commit_every"), [(0, 1000), (8, 1000), (0, 5)])
