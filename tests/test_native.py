@@ -1288,3 +1288,27 @@ def test_the_package_calls_no_private_torch_function() -> None:
     found = [f"{p}:{n}" for p in root.rglob("*.py") for n, line in enumerate(p.read_text().splitlines(), 1)
              if private.search(line.split("#")[0])]  # fmt: skip
     assert found == []
+
+
+@needs_core
+def test_newest_txnid_is_the_maps_last_commit(tmp_path: Any) -> None:
+    """core.newest_txnid reads the larger txnid of the two meta pages: LMDB's last commit, after each commit."""
+    import mmap
+
+    import lmdb
+
+    env = lmdb.open(str(tmp_path / "e"), map_size=1 << 20)
+    try:
+        for k in range(5):
+            with env.begin(write=True) as txn:
+                txn.put(b"k%d" % k, b"v")
+            with open(tmp_path / "e" / "data.mdb", "rb") as f:
+                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            view = np.frombuffer(m, np.uint8)
+            base = view.__array_interface__["data"][0]
+            assert core.newest_txnid(base, len(m), 4096) == env.info()["last_txnid"] == k + 1
+            assert core.newest_txnid(base, 4096 + 151, 4096) == 0  # too short to hold both meta pages
+            del view
+            m.close()
+    finally:
+        env.close()

@@ -14,7 +14,7 @@ from pathlib import Path
 import lmdb
 import pytest
 import torch
-from helpers import Synthetic, assert_same, sample_for, source_reads
+from helpers import Listed, Synthetic, assert_same, sample_for, source_reads
 from torch.utils.data import DataLoader
 
 from lmdbcache import CachedDataset, CacheMismatchError, InvalidOptionError, ReadersFullError, SampleNotCachedError
@@ -688,4 +688,41 @@ def test_a_worker_ended_mid_batch_keeps_every_sample_it_decoded(cache_dir, tmp_p
     assert len(decoded) > 16 and ds.cached_count == len(decoded)
     for i in decoded:
         assert int(ds[i][1]) == i
+    ds.close()
+
+
+OTHER_FILLS_SCRIPT = """
+import sys
+import torch
+from helpers import Listed
+from lmdbcache import CachedDataset
+source = Listed([(torch.full((4,), 100 + i), i) for i in range(10)])
+ds = CachedDataset(source, sys.argv[1], fingerprint="t", spot_check=0)
+for i in (3, 4):
+    ds[i]
+ds.flush()
+"""
+
+
+def test_a_miss_after_another_processs_commit_finds_its_value(cache_dir, monkeypatch):
+    """The read transaction kept across a fill's misses (its snapshot the newest) is not trusted once another
+    process (or this one's queue) has committed since: a later read finds those values, the source untouched."""
+    import lmdbcache.store._read as read_module
+
+    monkeypatch.setattr(read_module, "_READER_MAX_AGE", 600.0)  # the kept transaction outlives the other's commit
+    called = []
+
+    class Counting(Listed):
+        def __getitem__(self, i):
+            called.append(i)
+            return super().__getitem__(i)
+
+    ds = CachedDataset(Counting([(torch.full((4,), i), i) for i in range(10)]), cache_dir, fingerprint="t")
+    assert torch.equal(ds[0][0], torch.full((4,), 0)) and torch.equal(ds[1][0], torch.full((4,), 1))  # misses
+    ds.flush()  # this process's own commit: the kept snapshot is no longer the newest
+    assert torch.equal(ds[2][0], torch.full((4,), 2))  # a miss in a new snapshot
+    run_script(OTHER_FILLS_SCRIPT, str(cache_dir))  # commits 3 and 4 with other values, after our snapshot
+    assert torch.equal(ds[3][0], torch.full((4,), 103)) and torch.equal(ds[4][0], torch.full((4,), 104))
+    assert called == [0, 1, 2]
+    assert torch.equal(ds[0][0], torch.full((4,), 0)) and called == [0, 1, 2]
     ds.close()

@@ -631,6 +631,25 @@ static PyObject *py_open_tree(PyObject *self, PyObject *args) {
     return Py_BuildValue("iKI", rc, (unsigned long long)t.root, t.depth);
 }
 
+PyDoc_STRVAR(py_newest_txnid_doc,
+             "newest_txnid(base, length, psize, /) -> int\n\n"
+             "The newest committed transaction id of the file mapped at ``base``: the larger txnid of its two\n"
+             "meta pages (0 if the map is too short to hold them). A read transaction whose id this is sees\n"
+             "every commit made so far, so a key it does not find is not stored (the dataset's misses).");
+
+static PyObject *py_newest_txnid(PyObject *self, PyObject *args) {
+    unsigned long long base, len, psize;
+    Map m;
+    if (!PyArg_ParseTuple(args, "KKK:newest_txnid", &base, &len, &psize)) return NULL;
+    if (map_from(&m, base, len, psize) < 0) return NULL;
+    if (m.len < m.psize + 152) return PyLong_FromLong(0); /* both meta pages' txnid (byte 144) must lie inside */
+    /* A writer may be rewriting the older page: a torn value is larger than ours or not, and either way a
+       wrong answer only makes a miss look again in a new transaction, or (a value equal to ours, torn from
+       a newer one: not possible, the newer id is larger in its high bytes or equal in all) nothing. */
+    uint64_t a = le64(m.base + 144), b = le64(m.base + m.psize + 144);
+    return PyLong_FromUnsignedLongLong(a > b ? a : b);
+}
+
 PyDoc_STRVAR(py_locate_doc,
              "locate(base, length, psize, root, depth, key, /) -> (code, offset, size)\n\n"
              "Where the value of ``key`` lies in the mapped file (offset from ``base``), in the tree of\n"
@@ -1934,6 +1953,7 @@ static PyObject *py_mark_verified(PyObject *self, PyObject *args) {
 static PyMethodDef core_methods[] = {
     {"xxh3_64", (PyCFunction)(void (*)(void))py_xxh3_64, METH_FASTCALL, py_xxh3_64_doc},
     {"open_tree", py_open_tree, METH_VARARGS, py_open_tree_doc},
+    {"newest_txnid", py_newest_txnid, METH_VARARGS, py_newest_txnid_doc},
     {"locate", py_locate, METH_VARARGS, py_locate_doc},
     {"locate_batch", py_locate_batch, METH_VARARGS, py_locate_batch_doc},
     {"set_table_threshold", py_set_table_threshold, METH_VARARGS, py_set_table_threshold_doc},

@@ -149,8 +149,10 @@ class Reader:
                         return raw  # decoded and checked in the core (_native_read)
                     if type(raw) is not memoryview:
                         raw = None if raw is None else native_lookup(self, tree, index, raw)
-                    if raw is None:
-                        return self._queued(index, always) if fresh else self._get_fresh([index], always)[0]
+                    if raw is None:  # kept across misses while no commit came after it (_queued)
+                        if fresh or _native.core.newest_txnid(tree[2], tree[3], tree[4]) == tree[0].id():
+                            return self._queued(index, always, keep=True)
+                        return self._get_fresh([index], always)[0]
                     return self._decode(raw, index, always)  # not flat (the core decoded those): checks, mark
                 txn = self._reader()  # the kept one: native_tree may have begun another
             if verified is not None and index < len(verified) and (mark := verified[index]):
@@ -422,14 +424,20 @@ class Reader:
         except lmdb.Error as exc:
             raise self._read_failure(exc, index) from exc
 
-    def _queued(self, index: int, always: bool) -> Any:
+    def _queued(self, index: int, always: bool, keep: bool = False) -> Any:
         """A miss in a snapshot begun under this same hold of the lock: only this process's queue can hold it.
 
         The snapshot already shows every commit up to now (this process's own included: a
         batch leaves the queue only once committed, under this lock), so looking again in a
         new one would find nothing more: one read transaction per miss instead of two.
+
+        ``keep``: the compiled core's path, which keeps the transaction for the next miss of a fill
+        as long as the map's newest commit is still its snapshot (``core.newest_txnid``: no
+        begin, tree and abort per miss). It then pins at most the pages of one commit of ours.
+        The Python path drops it: while filling, a snapshot it cannot date only pins pages.
         """
-        self._drop_reader()  # as after any miss: while filling, a kept snapshot only pins pages
+        if not keep:
+            self._drop_reader()
         raw = self._in_queue(index)
         return MISSING if raw is None else self._decode(raw, index, always)
 
