@@ -635,3 +635,14 @@ def test_close_from_one_thread_while_others_read_then_reopen_in_the_same_process
     assert not unexpected, unexpected[:3]
     assert good[0] > 0
     ds.close()
+
+
+def test_a_batch_read_right_after_this_processs_fill_finds_every_index(cache_dir):
+    """The read transaction kept across a fill's misses is renewed after this process's own commit: the loader's
+    first batch after ``ds[i]`` filled the cache and ``flush()`` committed it finds every index (no fallback)."""
+    ds = CachedDataset(Synthetic(32), cache_dir)
+    for i in range(32):
+        ds[i]
+    ds.flush()
+    assert ds.read_batch(list(range(32)), lambda views, checks: len(views)) == 32
+    ds.close()

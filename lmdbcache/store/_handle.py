@@ -52,6 +52,7 @@ class Handle:
         # not reopen its environment beside the one a new Store for the same path opens (issue #22).
         self.retired = False
         self._lock = threading.Lock()
+        self.commits = 0  # write transactions committed through this handle: a kept read snapshot older is renewed
         self._env: lmdb.Environment | None = None
         self._samples: Any = None
         self._meta_db: Any = None

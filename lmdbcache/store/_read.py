@@ -90,6 +90,7 @@ class Reader:
         # A read transaction kept open between hits (see _reader) and when it goes stale.
         self._rtxn: lmdb.Transaction | None = None
         self._rtxn_expires = 0.0
+        self._rtxn_commits = 0  # the handle's commit count when it began (a commit of ours since: renewed)
         # Packs (views) looked up in that kept transaction, by first index; forgotten with it (_pack_of).
         self._packs: dict[int, Any] = {}
         # Groups (views) looked up in that kept transaction, by id; forgotten with it (_groups.group_view).
@@ -195,11 +196,12 @@ class Reader:
         """
         txn = self._rtxn
         if txn is not None:
-            if time.monotonic() < self._rtxn_expires:
+            if time.monotonic() < self._rtxn_expires and self._rtxn_commits == self._h.commits:
                 return txn
             self._drop_reader()
         env = self._h._env or self._h._env_or_open()
         self._h._maybe_reader_check(env)
+        self._rtxn_commits = self._h.commits  # read first: a commit landing during the begin renews it next time
         txn = self._h._begin_checked(env, db=self._h._samples)
         self._rtxn, self._rtxn_expires = txn, time.monotonic() + _READER_MAX_AGE
         return txn
@@ -341,8 +343,9 @@ class Reader:
         with self._lock:
             if build is not None and build != self._h.build:
                 raise self._h.mismatch(build)
-            fresh = self._rtxn is None or _monotonic() >= self._rtxn_expires
+            kept = self._rtxn
             txn = self._reader()
+            fresh = txn is not kept  # begun here: a miss in it needs no second look
             tree = native_tree(self, txn) if _native.core is not None else None
             if tree is not None:
                 fresh, txn = fresh or tree[0] is not txn, tree[0]

@@ -194,6 +194,7 @@ class Writer:
                             written = self._put_packed(txn, batch)
                         elif (written := self._put_grouped(txn, batch, hopeful)) < 0:
                             raise _Present
+                    self._h.commits += 1  # this process's readers renew a snapshot kept from before (_read)
                     if durable:
                         env.sync(True)
                     else:
@@ -234,6 +235,7 @@ class Writer:
                             deleted += index in wanted
                             continue
                         txn.put(_KEY(index), _pack.value(whole, index - first, n), db=db)
+        self._h.commits += 1
         return deleted
 
     def _put_grouped(self, txn: lmdb.Transaction, batch: list[tuple[int, bytes]], hopeful: bool = True) -> int:
