@@ -16,8 +16,8 @@ instead (``core.Tree.sample`` in the samples tree the core found once per kept t
 included, every page and span checked against the map on every read): a flat value comes back
 decoded and checked as above, any other a view for ``decode``; everything else above (flags,
 checksums, misses, errors) is the same.
-A miss is looked up again in a fresh snapshot (unless the read already began one: a miss
-costs one read transaction) and in this process's commit queue before it is reported ``MISSING``.
+A miss is looked up again in a fresh snapshot (unless its own is the newest) and in this process's
+commit queue before it is reported ``MISSING``.
 
 Packs (``_pack``): with packing on, a small value is looked up in its chunk's pack first, then
 as a single record; its span is checked against the pack's header (and the record's bounds
@@ -87,14 +87,12 @@ class Reader:
         self._h = handle
         self._lock = handle._lock  # the handle's, never replaced: one attribute load less per hit
         self._in_queue = in_queue
-        # A read transaction kept open between hits (see _reader) and when it goes stale.
+        # A read transaction kept open between reads (see _reader), when it goes stale, the handle's commits then.
         self._rtxn: lmdb.Transaction | None = None
-        self._rtxn_expires = 0.0
-        self._rtxn_commits = 0  # the handle's commit count when it began (a commit of ours since: renewed)
-        # Packs (views) looked up in that kept transaction, by first index; forgotten with it (_pack_of).
-        self._packs: dict[int, Any] = {}
-        # Groups (views) looked up in that kept transaction, by id; forgotten with it (_groups.group_view).
-        self._groups: dict[int, Any] = {}
+        self._rtxn_expires, self._rtxn_commits = 0.0, 0
+        # Packs and groups (views) looked up in that transaction, by first index / id; forgotten with it.
+        self._packs: dict[int, Any] = {}  # _pack_of
+        self._groups: dict[int, Any] = {}  # _groups.group_view
         # Its samples tree as the compiled core reads it (_native_read.native_tree), found once per transaction.
         self._tree: tuple[Any, ...] | None = None
         # ((txnid, map view id, pack, length), the rest of that tree): reused by a later transaction on its snapshot.
@@ -187,12 +185,10 @@ class Reader:
             lock.release()
 
     def _reader(self) -> lmdb.Transaction:
-        """A read transaction for a hit: the one kept from the last hit if it is fresh.
+        """A read transaction: the one kept from the last read (a begin/abort saved per sample) if it is fresh.
 
-        Reusing it saves a begin/abort per sample. It is dropped on any miss (its snapshot
-        may predate another process's commit, and while filling it would only pin pages
-        that writers want to reuse) and renewed after _READER_MAX_AGE seconds. Each new
-        transaction first checks the cache was not rebuilt since this process adopted it.
+        Renewed after _READER_MAX_AGE seconds, after a commit of this process, and after a miss in an older
+        snapshot. Each new one first checks the cache was not rebuilt since this process adopted it.
         """
         txn = self._rtxn
         if txn is not None:
@@ -428,16 +424,9 @@ class Reader:
             raise self._read_failure(exc, index) from exc
 
     def _queued(self, index: int, always: bool, keep: bool = False) -> Any:
-        """A miss in a snapshot begun under this same hold of the lock: only this process's queue can hold it.
-
-        The snapshot already shows every commit up to now (this process's own included: a
-        batch leaves the queue only once committed, under this lock), so looking again in a
-        new one would find nothing more: one read transaction per miss instead of two.
-
-        ``keep``: the compiled core's path, which keeps the transaction for the next miss of a fill
-        as long as the map's newest commit is still its snapshot (``core.newest_txnid``: no
-        begin, tree and abort per miss). It then pins at most the pages of one commit of ours.
-        The Python path drops it: while filling, a snapshot it cannot date only pins pages.
+        """A miss in the newest snapshot (begun under this hold of the lock, or dated by ``core.newest_txnid``):
+        only this process's queue can hold it (a batch leaves the queue only once committed, under this lock).
+        ``keep`` (the core's path) keeps the transaction for a fill's next miss: no begin, tree and abort each.
         """
         if not keep:
             self._drop_reader()
