@@ -812,3 +812,48 @@ def test_the_reader_and_the_writer_own_their_state_and_share_only_what_they_are_
     assert reader._rtxn is not txn
     reader._in_queue = handed
     ds.close()
+
+
+def test_a_refresh_never_stores_an_older_file_size(tmp_path):
+    """Two threads refreshing the guard at once (a reader whose lookup failed, the committer reading a group
+    record): the one that looked at the file first never stores its older size last. The first refresh is
+    held between its look at the file and its store while the file grows; the second, started then, ends
+    after it, and the guard holds the grown size (before the fix: the first's, and the reader, finding a
+    page past it twice, raised CorruptCacheError on a sound cache: tests/stress/test_reliability.py)."""
+    import threading
+
+    from lmdbcache.store import _guard
+
+    env = lmdb.open(str(tmp_path / "env"), map_size=1 << 26)
+    try:
+        data = str(tmp_path / "env" / "data.mdb")
+        with env.begin(write=True) as txn:
+            txn.put(b"a", b"x" * 10_000)
+        guard = _guard.MapGuard(data, env.stat()["psize"])
+        held, go = threading.Event(), threading.Event()
+        older = threading.Thread(target=guard.refresh)
+
+        def slow_open(*args, **kwargs):  # the older refresh stops after its stat, before it stores anything
+            if threading.current_thread() is older:
+                held.set()
+                go.wait(10)
+            return open(*args, **kwargs)
+
+        _guard.open = slow_open  # the module's own name: found before the builtin
+        try:
+            older.start()
+            assert held.wait(10)
+            with env.begin(write=True) as txn:  # the file grows while that refresh is held
+                txn.put(b"b", b"y" * 100_000)
+            grown = os.stat(data).st_size
+            newer = threading.Thread(target=guard.refresh)
+            newer.start()
+            newer.join(0.5)  # before the fix it ended here, storing the grown size first
+            go.set()
+            older.join(10)
+            newer.join(10)
+        finally:
+            del _guard.open
+        assert guard.mapping()[1] == grown > 0
+    finally:
+        env.close()

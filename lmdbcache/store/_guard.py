@@ -38,6 +38,7 @@ import ctypes
 import os
 import struct
 import sys
+import threading
 import warnings
 from typing import Any
 
@@ -118,6 +119,11 @@ class MapGuard:
         # record while another refreshes sees one mapping's figures, never a mix
         self._mapped: tuple[int, int, memoryview] = (0, 0, _EMPTY)
         self._unreadable = ""  # why the last refresh failed (every check then fails with it), or ""
+        # One refresh at a time: two threads refreshing at once (a reader after a failed lookup, the committer
+        # reading a group record) could store the older file size last, and the reader, finding the page it
+        # looked for past that size again, would call a sound cache damaged (tests/test_store.py:
+        # test_a_refresh_never_stores_an_older_file_size)
+        self._refreshing = threading.Lock()
         self.refresh()
 
     def refresh(self) -> None:
@@ -128,6 +134,10 @@ class MapGuard:
         """
         if not _LITTLE or not layout_known():
             return  # LMDB 0.9's node header, parsed little-endian: elsewhere the check stays off, as without /proc
+        with self._refreshing:
+            self._refresh()
+
+    def _refresh(self) -> None:
         try:
             st = os.stat(self.data_file)
             with open("/proc/self/maps", encoding="ascii", errors="replace") as f:

@@ -82,12 +82,13 @@ def test_six_processes_fill_and_read_at_random(cache_dir, tmp_path):
                 wait=False,
             )
         )
-        reads = 0
+        outputs = []  # every process ends (and its pipes close) before any is judged
         for proc in procs:
             with proc:
-                out, err = proc.communicate(timeout=600)
-            assert proc.returncode == 0, err
-            reads += json.loads(out.strip().splitlines()[-1])["reads"]
+                outputs.append((*proc.communicate(timeout=600), proc.returncode))
+        for _, err, code in outputs:
+            assert code == 0, err
+        reads = sum(json.loads(out.strip().splitlines()[-1])["reads"] for out, _, _ in outputs)
         ds = CachedDataset.open(path)
         keys = list(ds._live_store().iter_keys())
         written = total_written(counts)
