@@ -432,21 +432,22 @@ AUG_AVX2_FN static void aug_vrow_avx2(const uint8_t *tmp, int64_t width, const A
 
 /* A strip's transposes, 32 rows by 16 byte-columns a block, the last block of a row overlapping the one before
  * (the same bytes written twice; no read or write past the row's end). in: bytes of each of 32 rows (row r at
- * row0 + r * sy) into strip[b * 32 + r]; out: xw columns of 32 bytes (cols[x * 32 + r]) into the rows of o
- * (row r at o + r * xw). Both need bytes, xw >= 16. */
-static void aug_strip_in_base(const uint8_t *row0, int64_t sy, int64_t bytes, uint8_t *strip) {
+ * row0 + r * sy) into strip[b * lanes + r]; out: xw columns of 32 bytes (cols[x * lanes + r]) into the rows of o
+ * (row r at o + r * xw). Both need bytes, xw >= 16. lanes: the strip's column stride, 32, or 64 for a strip of
+ * 64 rows done as two halves (the second half's calls start at strip + 32, cols + 32). */
+static void aug_strip_in_base(const uint8_t *row0, int64_t sy, int64_t bytes, uint8_t *strip, int64_t lanes) {
     for (int64_t b = 0; b < bytes; b += 16) {
         b = b + 16 <= bytes ? b : bytes - 16;
-        aug_t16(row0 + b, sy, strip + b * AUG_ROWS, AUG_ROWS);                 /* rows 0-15 */
-        aug_t16(row0 + 16 * sy + b, sy, strip + b * AUG_ROWS + 16, AUG_ROWS); /* rows 16-31 */
+        aug_t16(row0 + b, sy, strip + b * lanes, lanes);                 /* rows 0-15 */
+        aug_t16(row0 + 16 * sy + b, sy, strip + b * lanes + 16, lanes); /* rows 16-31 */
     }
 }
 
-static void aug_strip_out_base(const uint8_t *cols, int64_t xw, uint8_t *o) {
+static void aug_strip_out_base(const uint8_t *cols, int64_t xw, uint8_t *o, int64_t lanes) {
     for (int64_t x = 0; x < xw; x += 16) {
         x = x + 16 <= xw ? x : xw - 16;
-        aug_t16(cols + x * AUG_ROWS, AUG_ROWS, o + x, xw);
-        aug_t16(cols + x * AUG_ROWS + 16, AUG_ROWS, o + 16 * xw + x, xw);
+        aug_t16(cols + x * lanes, lanes, o + x, xw);
+        aug_t16(cols + x * lanes + 16, lanes, o + 16 * xw + x, xw);
     }
 }
 
@@ -473,15 +474,16 @@ static void aug_strip_out_base(const uint8_t *cols, int64_t xw, uint8_t *o) {
 
 /* in: register i = rows i (low half) and i + 16 (high half), 16 bytes each; after the rounds register j holds
  * byte-column j's rows 0-15 and 16-31: the 32 bytes of strip column b + j. */
-AUG_AVX2_FN static void aug_strip_in_avx2(const uint8_t *row0, int64_t sy, int64_t bytes, uint8_t *strip) {
+AUG_AVX2_FN static void aug_strip_in_avx2(const uint8_t *row0, int64_t sy, int64_t bytes, uint8_t *strip,
+                                          int64_t lanes) {
     for (int64_t b = 0; b < bytes; b += 16) {
         b = b + 16 <= bytes ? b : bytes - 16;
         const uint8_t *s = row0 + b;
-        uint8_t *d = strip + b * AUG_ROWS;
+        uint8_t *d = strip + b * lanes;
 #define AUG_LD(i)                                                                                                      \
     __m256i a##i = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(s + i * sy))),    \
                                            _mm_loadu_si128((const __m128i *)(s + (i + 16) * sy)), 1)
-#define AUG_ST(i) _mm256_storeu_si256((__m256i *)(d + i * AUG_ROWS), a##i)
+#define AUG_ST(i) _mm256_storeu_si256((__m256i *)(d + i * lanes), a##i)
         AUG_LD(0); AUG_LD(1); AUG_LD(2); AUG_LD(3); AUG_LD(4); AUG_LD(5); AUG_LD(6); AUG_LD(7);
         AUG_LD(8); AUG_LD(9); AUG_LD(10); AUG_LD(11); AUG_LD(12); AUG_LD(13); AUG_LD(14); AUG_LD(15);
         AUG_T32_ROUNDS;
@@ -494,12 +496,12 @@ AUG_AVX2_FN static void aug_strip_in_avx2(const uint8_t *row0, int64_t sy, int64
 
 /* out: register i = column x + i (rows 0-15 low, 16-31 high); after the rounds register j holds row j (low) and
  * row j + 16 (high) of columns x..x+15. */
-AUG_AVX2_FN static void aug_strip_out_avx2(const uint8_t *cols, int64_t xw, uint8_t *o) {
+AUG_AVX2_FN static void aug_strip_out_avx2(const uint8_t *cols, int64_t xw, uint8_t *o, int64_t lanes) {
     for (int64_t x = 0; x < xw; x += 16) {
         x = x + 16 <= xw ? x : xw - 16;
-        const uint8_t *s = cols + x * AUG_ROWS;
+        const uint8_t *s = cols + x * lanes;
         uint8_t *d = o + x;
-#define AUG_LD(i) __m256i a##i = _mm256_loadu_si256((const __m256i *)(s + i * AUG_ROWS))
+#define AUG_LD(i) __m256i a##i = _mm256_loadu_si256((const __m256i *)(s + i * lanes))
 #define AUG_ST(i)                                                                                                      \
     _mm_storeu_si128((__m128i *)(d + i * xw), _mm256_castsi256_si128(a##i)),                                           \
         _mm_storeu_si128((__m128i *)(d + (i + 16) * xw), _mm256_extracti128_si256(a##i, 1))
@@ -568,6 +570,16 @@ AUG_VNNI_FN static void aug_hcols_vnni(const uint8_t *strip, int64_t step, const
         _mm256_storeu_si256((__m256i *)res, aug_dot32_vnni(strip + (lo[x] - c0) * step, step, nn[x], wp + x * P, prec));
 }
 
+/* A strip of 64 rows (aug_horizontal): each output's 64 lanes in one zmm dot product, res[(x - x0) * 64 + r]. */
+AUG_VNNI_FN static void aug_hcols64_vnni(const uint8_t *strip, int64_t step, const AugTaps *tx, int64_t x0,
+                                         int64_t x1, int64_t c0, uint8_t *res) {
+    const int64_t *lo = tx->lo, *nn = tx->n, P = tx->P;
+    const int32_t *wp = tx->wp;
+    int prec = tx->prec;
+    for (int64_t x = x0; x < x1; x++, res += 2 * AUG_ROWS)
+        _mm512_storeu_si512((void *)res, aug_dot64_vnni(strip + (lo[x] - c0) * step, step, nn[x], wp + x * P, prec));
+}
+
 /* 64 columns at a time, then 32 (the last 32 overlapping the ones before), then AVX2's 16 and the scalar rest. */
 AUG_VNNI_FN static void aug_vrow_vnni(const uint8_t *tmp, int64_t width, const AugTaps *ty, int64_t y, uint8_t *out) {
     const int32_t *wp = ty->wp + y * ty->P;
@@ -586,28 +598,30 @@ AUG_VNNI_FN static void aug_vrow_vnni(const uint8_t *tmp, int64_t width, const A
 }
 #endif
 
-/* The dot products and strip transposes this CPU runs best. */
+/* The dot products and strip transposes this CPU runs best; hcols64: the horizontal dot products of a strip of
+ * 64 rows (64 lanes), NULL where the CPU has no 64-byte vectors (strips of 32 rows only). */
 typedef struct {
     void (*hcols)(const uint8_t *, int64_t, const AugTaps *, int64_t, int64_t, int64_t, uint8_t *);
     void (*vrow)(const uint8_t *, int64_t, const AugTaps *, int64_t, uint8_t *);
-    void (*strip_in)(const uint8_t *, int64_t, int64_t, uint8_t *);
-    void (*strip_out)(const uint8_t *, int64_t, uint8_t *);
+    void (*strip_in)(const uint8_t *, int64_t, int64_t, uint8_t *, int64_t);
+    void (*strip_out)(const uint8_t *, int64_t, uint8_t *, int64_t);
+    void (*hcols64)(const uint8_t *, int64_t, const AugTaps *, int64_t, int64_t, int64_t, uint8_t *);
 } AugOps;
 
 static AugOps aug_ops(void) {
 #ifdef AUG_VNNI
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512vnni"))
-        return (AugOps){aug_hcols_vnni, aug_vrow_vnni, aug_strip_in_avx2, aug_strip_out_avx2};
+        return (AugOps){aug_hcols_vnni, aug_vrow_vnni, aug_strip_in_avx2, aug_strip_out_avx2, aug_hcols64_vnni};
 #endif
 #ifdef AUG_AVX2
     if (__builtin_cpu_supports("avx2"))
-        return (AugOps){aug_hcols_avx2, aug_vrow_avx2, aug_strip_in_avx2, aug_strip_out_avx2};
+        return (AugOps){aug_hcols_avx2, aug_vrow_avx2, aug_strip_in_avx2, aug_strip_out_avx2, NULL};
 #endif
 #ifdef AUG_SSE2
-    return (AugOps){aug_hcols_sse2, aug_vrow_sse2, aug_strip_in_base, aug_strip_out_base};
+    return (AugOps){aug_hcols_sse2, aug_vrow_sse2, aug_strip_in_base, aug_strip_out_base, NULL};
 #else
-    return (AugOps){aug_hcols_c, aug_vrow_c, aug_strip_in_base, aug_strip_out_base};
+    return (AugOps){aug_hcols_c, aug_vrow_c, aug_strip_in_base, aug_strip_out_base, NULL};
 #endif
 }
 
@@ -623,7 +637,8 @@ typedef struct {
  * row from base + plane * pstride + row * sy), and aug_pf asks for the next few: a strip's worth while the strip
  * before is resized, in small steps between the dot products (a burst of prefetches would wait on the fill
  * buffers as the loads do), and the next plane's first strips during a plane's vertical pass. Asked for into
- * the outer caches (locality 1, prefetcht2): a strip is read once, a strip ahead, from L2. A prefetch is a
+ * the outer caches (locality 1, prefetcht2): a strip is read once, a strip ahead, from L2. (Measured here, no
+ * faster: a lead of 2-4 strips, or the whole next plane during a vertical pass; none at all is 15% slower.) A prefetch is a
  * hint: it never faults, so the line addresses are plain integers. */
 typedef struct {
     uintptr_t base, at, end; /* the next line's address, the current row's last line */
@@ -651,11 +666,12 @@ static inline void aug_pf(AugPf *f, int64_t lines) {
 
 /* The horizontal pass of the box's rows [r_lo, r_hi) for nch channels into out (channel ch's rows at
  * out + ch * (r_hi - r_lo) * xw). src: the box's top-left pixel, pixel step sx, row step sy; channel ch at
- * src + ch. 32 rows at a time, the last 32 overlapping the ones before (the same values written twice): the
- * strip's bytes are transposed into 32-byte columns (strip[b * 32 + r] = byte b of row r; with sx == nch the
- * pixels of a row are contiguous bytes and go by 16 x 16 blocks, the last block of a row overlapping too), so
- * each output's taps are a dot product of 32 lanes; the outputs (cols, column-major) are transposed back into
- * the rows of out. Fewer than 32 rows in all: one strip gathered byte by byte, its other lanes unused. */
+ * src + ch. 32 rows at a time (64 while 64 remain, where ops has hcols64), the last 32 overlapping the ones
+ * before (the same values written twice): the strip's bytes are transposed into columns of `lanes` bytes
+ * (strip[b * lanes + r] = byte b of row r; with sx == nch the pixels of a row are contiguous bytes and go by
+ * 16 x 16 blocks, the last block of a row overlapping too), so each output's taps are a dot product of 32 (64)
+ * lanes; the outputs (cols, column-major) are transposed back into the rows of out. Fewer than 32 rows in all:
+ * one strip gathered byte by byte, its other lanes unused. strip holds the box's columns of 64 rows, cols ow. */
 static void aug_horizontal(const AugOps *ops, const uint8_t *src, int64_t sx, int64_t sy, int64_t nch,
                            const AugSpan *sp, const AugTaps *tx, uint8_t *strip, uint8_t *cols, uint8_t *out,
                            AugPf *pf) {
@@ -664,31 +680,38 @@ static void aug_horizontal(const AugOps *ops, const uint8_t *src, int64_t sx, in
     aug_cols(tx, x0, x1, &c0, &c1);
     int64_t bytes = (c1 - c0) * nch;
     const uint8_t *first = src + c0 * sx; /* column c0 of the box's row 0 */
-    int64_t step = 1 + pf->strip_lines / (nch * ((xw + 31) / 32)); /* lines asked for per 32 outputs */
-    for (int64_t r0 = sp->r_lo; r0 < sp->r_hi; r0 += AUG_ROWS) {
-        int64_t R = rows < AUG_ROWS ? rows : AUG_ROWS;
+    int64_t step = 1 + pf->strip_lines / (nch * ((xw + 31) / 32)); /* lines asked for per 32 outputs of 32 rows */
+    for (int64_t r0 = sp->r_lo, R = 0; r0 < sp->r_hi; r0 += R) {
+        int wide = ops->hcols64 && sp->r_hi - r0 >= 2 * AUG_ROWS && sx == nch && bytes >= 16 && xw >= 16;
+        int64_t lanes = wide ? 2 * AUG_ROWS : AUG_ROWS;
+        R = wide ? lanes : rows < AUG_ROWS ? rows : AUG_ROWS;
         r0 = r0 + R <= sp->r_hi ? r0 : sp->r_hi - R;
         const uint8_t *row0 = first + r0 * sy;
-        if (R == AUG_ROWS && sx == nch && bytes >= 16) {
-            ops->strip_in(row0, sy, bytes, strip);
+        if (R >= AUG_ROWS && sx == nch && bytes >= 16) {
+            ops->strip_in(row0, sy, bytes, strip, lanes);
+            if (wide) ops->strip_in(row0 + AUG_ROWS * sy, sy, bytes, strip + AUG_ROWS, lanes);
         } else {
             for (int64_t r = 0; r < R; r++)
                 for (int64_t c = 0; c < c1 - c0; c++)
                     for (int64_t ch = 0; ch < nch; ch++)
-                        strip[(c * nch + ch) * AUG_ROWS + r] = row0[r * sy + c * sx + ch];
+                        strip[(c * nch + ch) * lanes + r] = row0[r * sy + c * sx + ch];
         }
         for (int64_t ch = 0; ch < nch; ch++) {
             uint8_t *o = out + (ch * rows + r0 - sp->r_lo) * xw;
             for (int64_t x = x0; x < x1; x += 32) { /* the next strip's lines asked for between the outputs */
-                aug_pf(pf, step);
-                ops->hcols(strip + ch * AUG_ROWS, nch * AUG_ROWS, tx, x, x + 32 < x1 ? x + 32 : x1, c0,
-                           cols + (x - x0) * AUG_ROWS);
+                int64_t x2 = x + 32 < x1 ? x + 32 : x1;
+                aug_pf(pf, wide ? 2 * step : step);
+                if (wide)
+                    ops->hcols64(strip + ch * lanes, nch * lanes, tx, x, x2, c0, cols + (x - x0) * lanes);
+                else
+                    ops->hcols(strip + ch * lanes, nch * lanes, tx, x, x2, c0, cols + (x - x0) * lanes);
             }
-            if (R == AUG_ROWS && xw >= 16) {
-                ops->strip_out(cols, xw, o);
+            if (R >= AUG_ROWS && xw >= 16) {
+                ops->strip_out(cols, xw, o, lanes);
+                if (wide) ops->strip_out(cols + AUG_ROWS, xw, o + AUG_ROWS * xw, lanes);
             } else {
                 for (int64_t r = 0; r < R; r++)
-                    for (int64_t x = 0; x < xw; x++) o[r * xw + x] = cols[x * AUG_ROWS + r];
+                    for (int64_t x = 0; x < xw; x++) o[r * xw + x] = cols[x * lanes + r];
             }
         }
     }
@@ -784,7 +807,7 @@ static int aug_image(const uint8_t *src, int64_t H, int64_t W, int64_t C, int hw
         s->tmp_size = s->tmp ? need : 0;
         bad = s->tmp == NULL;
     }
-    size_t strip = (size_t)(b[3] * nch * AUG_ROWS); /* the box's columns, 32 rows of them */
+    size_t strip = (size_t)(b[3] * nch * 2 * AUG_ROWS); /* the box's columns, 64 rows of them */
     if (!bad && strip > s->strip_size) {
         free(s->strip);
         s->strip = calloc(strip, 1); /* lanes past a strip's last row are computed, never used: initialized */
@@ -814,7 +837,7 @@ static int aug_image(const uint8_t *src, int64_t H, int64_t W, int64_t C, int hw
     if (!empty && px) aug_cols(px, sp.x0, sp.x1, &c0, &c1);
     aug_pf_init(&pf, src + top * sy + (left + c0) * sx, sy, fuse ? 0 : H * W, fuse || !hwc ? (fuse ? 1 : C) : 0,
                 sp.r_lo, sp.r_hi, (c1 - c0 - 1) * sx + nch);
-    aug_pf(&pf, pf.strip_lines); /* the first strip's */
+    aug_pf(&pf, (ops.hcols64 ? 2 : 1) * pf.strip_lines); /* the first strip's (of 64 rows with hcols64) */
     for (int64_t c = 0; c < C; c++) {
         const uint8_t *box = (hwc ? src + c : src + c * H * W) + top * sy + left * sx;
         if (!empty && (!fuse || c == 0)) {
@@ -1000,7 +1023,7 @@ done:
     Py_ssize_t j = lo;
     Py_BEGIN_ALLOW_THREADS
     s.plane = malloc((size_t)(p.oh * p.ow));
-    s.cols = malloc((size_t)(p.ow * AUG_ROWS)); /* a strip's outputs, column-major */
+    s.cols = malloc((size_t)(p.ow * 2 * AUG_ROWS)); /* a strip's outputs (up to 64 rows), column-major */
     if (!s.plane || !s.cols) status = AUG_NOMEM;
     for (; status == FILL_OK && j < hi; j++) {
         status = aug_row(&m, (const uint8_t *)held.buf + j * SPAN, &t, &p, out, (uint8_t *)scalars.buf, (uint64_t)j, &s);
