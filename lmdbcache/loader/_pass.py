@@ -49,7 +49,18 @@ def _new_rng_lock() -> None:
 os.register_at_fork(after_in_child=_new_rng_lock)
 _U64 = (1 << 64) - 1
 
-__all__ = ["INLINE", "Pass", "Ring", "current_stream_event", "ended", "one_by_one", "stamp", "stray", "together"]
+__all__ = [
+    "INLINE",
+    "Pass",
+    "Ring",
+    "Spare",
+    "current_stream_event",
+    "ended",
+    "one_by_one",
+    "stamp",
+    "stray",
+    "together",
+]
 
 # A batch smaller than this is copied by the planner thread itself: its per-sample work holds
 # the GIL anyway, and the hand-off to the pool cost more than it saved (3x32x32, batch 64:
@@ -266,6 +277,35 @@ class Pass:
         for f in futures:
             samples += f.result()
         return default_collate(samples)
+
+
+class Spare:
+    """The next epoch's pass, started while the consumer holds the last batch of an epoch (``augment=`` loaders).
+
+    Without it an epoch's first batch is built only when ``iter`` asks for it, and a trainer waits that
+    long at every epoch start (an augmented batch of 64 takes milliseconds). The batches of epoch e + 1
+    are a pure function of the loader's own order, so its pass can start early; ``take`` hands it to a
+    pass that starts that epoch, with the same batches, from its first batch, and stops it otherwise.
+    """
+
+    def __init__(self) -> None:
+        self.run: Pass | None = None
+
+    def start(self, spec: PassSpec, epoch: int, batches: list[list[int]]) -> None:
+        self.stop()
+        self.run = Pass(spec, epoch, batches, 0)
+
+    def take(self, epoch: int, batches: list[list[int]], start: int) -> Pass | None:
+        run, self.run = self.run, None
+        if run is not None and (run.epoch != epoch or start or run.batches != batches):
+            run.stop()
+            return None
+        return run
+
+    def stop(self) -> None:
+        run, self.run = self.run, None
+        if run is not None:
+            run.stop()
 
 
 class InlinePass(Pass):
