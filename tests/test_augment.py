@@ -258,6 +258,33 @@ def test_the_next_epoch_is_built_while_the_last_batch_is_held(tmp_path, read_pat
     assert not set(threading.enumerate()) - before
 
 
+def test_the_pass_ahead_builds_one_batch_until_it_is_taken(tmp_path, monkeypatch):
+    """The pass started ahead builds the next epoch's first batch only (one core.augment call on one thread),
+    however long the consumer takes to come back; iterating it builds the rest."""
+    if _native.core is None:
+        pytest.skip("counts the compiled core's calls (the pure path's pass ahead: the test above)")
+    ds = cached(tmp_path / "c", n=24)
+    core, calls = _native.core, []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(core, name)
+
+        def augment(self, *args):
+            calls.append(args[3:5])
+            return core.augment(*args)
+
+    monkeypatch.setattr(_native, "core", Counting())
+    loader = Loader(ds, 8, shuffle=True, seed=3, num_threads=1, augment=[RandomResizedCrop(16)])
+    assert len(batches(loader)) == 3
+    time.sleep(0.5)
+    assert len(calls) == 4  # the epoch's 3 batches, then the next epoch's first
+    assert len(batches(loader)) == 3
+    time.sleep(0.5)
+    assert len(calls) == 7  # epoch 1's other 2, then epoch 2's first
+    loader.close()
+
+
 def test_epochs_draw_new_boxes(tmp_path):
     """Another epoch gives other crops of the same samples."""
     ds = cached(tmp_path / "c", n=16)

@@ -149,11 +149,14 @@ class PassSpec:
 class Pass:
     """One pass: the planner thread, the copy pool and the queue of finished batches."""
 
-    def __init__(self, spec: PassSpec, epoch: int, batches: list[list[int]], start: int) -> None:
+    def __init__(self, spec: PassSpec, epoch: int, batches: list[list[int]], start: int, held: bool = False) -> None:
         self.spec, self.epoch, self.batches, self.start = spec, epoch, batches, start
         self.ds = spec.dataset
         self.out: queue.Queue[Any] = queue.Queue(maxsize=spec.prefetch)
         self.stopping = threading.Event()
+        self.go = threading.Event()  # held (``Spare``): the planner builds the first batch, then waits for it
+        if not held:
+            self.go.set()
         self.replaced = False  # set by the Loader when a newer pass of it starts (see ``ended``)
         self.small, self.built = True, 0  # every batch built so far was copied from the map under INLINE bytes
         self.pool = ThreadPoolExecutor(spec.num_threads, thread_name_prefix="lmdbcache-copy")
@@ -177,6 +180,7 @@ class Pass:
 
     def stop(self) -> None:
         self.stopping.set()
+        self.go.set()  # a held planner wakes to see it
         while self.planner.is_alive():
             try:
                 while True:
@@ -203,6 +207,9 @@ class Pass:
             if not self._put(item) or isinstance(item, BaseException):
                 return
             del item
+            while not self.go.wait(0.1):  # a pass started ahead builds one batch until it is taken
+                if self.stopping.is_set():
+                    return
 
     def _build(self, k: int) -> Any:
         """Batch ``k`` and its ring slots, or the exception that building it raised (noted with where)."""
@@ -284,8 +291,9 @@ class Spare:
 
     Without it an epoch's first batch is built only when ``iter`` asks for it, and a trainer waits that
     long at every epoch start (an augmented batch of 64 takes milliseconds). The batches of epoch e + 1
-    are a pure function of the loader's own order, so its pass can start early; ``take`` hands it to a
-    pass that starts that epoch, with the same batches, from its first batch, and stops it otherwise.
+    are a pure function of the loader's own order, so its pass can start early: it builds the first batch
+    only (work done outside the epoch, and lost if no pass follows, stays one batch) until ``take`` hands it
+    to a pass that starts that epoch, with the same batches, from its first batch; otherwise it is stopped.
     """
 
     def __init__(self) -> None:
@@ -293,13 +301,15 @@ class Spare:
 
     def start(self, spec: PassSpec, epoch: int, batches: list[list[int]]) -> None:
         self.stop()
-        self.run = Pass(spec, epoch, batches, 0)
+        self.run = Pass(spec, epoch, batches, 0, held=True)
 
     def take(self, epoch: int, batches: list[list[int]], start: int) -> Pass | None:
         run, self.run = self.run, None
         if run is not None and (run.epoch != epoch or start or run.batches != batches):
             run.stop()
             return None
+        if run is not None:
+            run.go.set()
         return run
 
     def stop(self) -> None:
