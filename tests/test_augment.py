@@ -230,7 +230,7 @@ def test_threads_and_resume_give_identical_batches(tmp_path, read_path):
 
 def test_the_next_epoch_is_built_while_the_last_batch_is_held(tmp_path, read_path):
     """Handing out an epoch's last batch starts the next epoch's pass (its first batch ready when iter() asks):
-    its batches are a fresh loader's for that epoch; set_epoch to another epoch drops it; close() joins it."""
+    its batches are a fresh loader's for that epoch; set_epoch to another epoch stops it; close() joins it."""
     ds = cached(tmp_path / "c", n=24)
     steps = [RandomResizedCrop(16), RandomHorizontalFlip()]
 
@@ -249,7 +249,8 @@ def test_the_next_epoch_is_built_while_the_last_batch_is_held(tmp_path, read_pat
     assert same(batches(loader), fresh(0))
     assert any(t.name == "lmdbcache-planner" for t in set(threading.enumerate()) - before)  # epoch 1's pass
     assert same(batches(loader), fresh(1))
-    loader.set_epoch(5)  # not the epoch started ahead (2): that pass is stopped, epoch 5 built afresh
+    loader.set_epoch(5)  # not the epoch started ahead (2): that pass stops (its threads joined), 5 is built afresh
+    assert not set(threading.enumerate()) - before
     assert same(batches(loader), fresh(5))
     loader.close()
     deadline = time.monotonic() + 5

@@ -318,6 +318,7 @@ class Loader:
         if type(epoch) is not int or epoch < 0:
             raise InvalidOptionError(f"epoch must be an int >= 0, not {epoch!r}.")
         self.epoch, self.delivered, self.samples = epoch, 0, 0
+        self._spare.keep(epoch)  # a pass started ahead for another epoch stops now, not at the next iter
 
     def state_dict(self) -> dict[str, Any]:
         """The position: {seed, epoch, batches} (the batches of ``epoch`` the consumer has received), ``samples``

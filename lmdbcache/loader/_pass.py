@@ -312,6 +312,11 @@ class Spare:
             run.go.set()
         return run
 
+    def keep(self, epoch: int) -> None:
+        """Stop the pass ahead now unless it is of ``epoch`` (the Loader's ``set_epoch``)."""
+        if self.run is not None and self.run.epoch != epoch:
+            self.stop()
+
     def stop(self) -> None:
         run, self.run = self.run, None
         if run is not None:
