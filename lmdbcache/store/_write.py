@@ -32,6 +32,7 @@ from typing import Any
 import filelock
 import lmdb
 
+from .. import _native
 from ..errors import CacheMismatchError, CorruptCacheError, LmdbCacheError, ReadOnlyCacheError
 from ..format import _group, _pack
 from . import _fs, _metadata
@@ -47,6 +48,7 @@ __all__ = ["Writer", "sync_and_clear"]
 _KEY = struct.Struct(">Q").pack
 _PKEY = _pack.key
 _TAG = _pack.TAG
+_group_batch = _native.core.group_batch if _native.core is not None else None  # _group.plan in one call
 
 
 class _Present(Exception):
@@ -247,35 +249,25 @@ class Writer:
         absent and one was not (the caller aborts ``txn`` and writes the batch again, not hopeful).
 
         Hopeful, the usual case (one process filling), costs one ``putmulti`` of the pointers instead
-        of a ``get`` and a ``put`` per index: py-lmdb releases the GIL around each of them.
+        of a ``get`` and a ``put`` per index: py-lmdb releases the GIL around each of them. The records
+        are laid out by the core in one call (``core.group_batch``), else by ``_group.plan``: the same bytes.
         """
         db, small_size = self._h._samples, _group.SMALL
         cursor = txn.cursor(db=db)
-        large = [(_KEY(i), v) for i, v in batch if len(v) >= small_size]
-        written = cursor.putmulti(large, overwrite=False)[1] if large else 0
-        if hopeful:
-            small = [(i, v) for i, v in batch if len(v) < small_size]
-        else:
+        if not hopeful:
             get = txn.get
-            small = [(i, v) for i, v in batch if len(v) < small_size and get(_KEY(i), db=db) is None]
-        if len(small) < 2:
-            added = cursor.putmulti([(_KEY(i), v) for i, v in small], overwrite=False)[1] if small else 0
-            return written + added
-        group, at, limit = self._next_group(txn), 0, _group.MAX_GROUP
-        while at < len(small):
-            end, size = at, 0
-            while end < len(small) and (end == at or size + len(small[end][1]) + 8 <= limit):
-                size += len(small[end][1]) + 8
-                end += 1
-            record, spans = _group.build([v for _, v in small[at:end]])
-            if not txn.put(_group.key(group), record, db=db, overwrite=False):
+            batch = [(i, v) for i, v in batch if len(v) >= small_size or get(_KEY(i), db=db) is None]
+        first = self._next_group(txn)
+        planned = _group_batch(batch, small_size, first, _group.MAX_GROUP) if _group_batch is not None else None
+        singles, groups = planned or _group.plan(batch, small_size, first, _group.MAX_GROUP)
+        written = cursor.putmulti(singles, overwrite=False)[1] if singles else 0
+        for group_key, record, pointers in groups:
+            if not txn.put(group_key, record, db=db, overwrite=False):
                 raise CorruptCacheError(f"Cache '{self._h.path}' is damaged: a key sorts after its groups'. {REBUILD}")
-            pointer = _group.pointer
-            pointers = [(_KEY(i), pointer(group, o, n)) for (i, _), (o, n) in zip(small[at:end], spans)]
             if cursor.putmulti(pointers, overwrite=False)[1] != len(pointers):
                 return -1  # an index was present (another process stored it): its value must not join a group
-            group, at = group + 1, end
-        return written + len(small)
+            written += len(pointers)
+        return written
 
     def _next_group(self, txn: lmdb.Transaction) -> int:
         """The id of the next group: one past the last group's (group keys sort last), or 0."""
