@@ -75,7 +75,8 @@ class CommitQueue:
     # All methods below are called with the lock held.
 
     def add(self, index: int, value: bytes, policy: Policy | None = None) -> None:
-        self.raise_error()
+        if self._error is not None:
+            self.raise_error()
         if index in self.pending or index in self.inflight:
             return
         policy = policy or self.policy
