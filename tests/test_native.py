@@ -1315,3 +1315,70 @@ def test_newest_txnid_is_the_maps_last_commit(tmp_path: Any) -> None:
             m.close()
     finally:
         env.close()
+
+
+_WRITER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from helpers import Synthetic
+from lmdbcache import CachedDataset
+ds = CachedDataset(Synthetic(int(sys.argv[3])), sys.argv[2], commit_every=1_000_000, commit_interval=3600)
+for span in sys.argv[4:]:  # one commit per span of new indices
+    first, end = map(int, span.split(":"))
+    for i in range(first, end):
+        ds[i]
+    ds.flush()
+"""
+
+_HOLDER = """
+import sys, lmdb
+env = lmdb.open(sys.argv[1], readonly=True, max_dbs=2)
+txn = env.begin()  # held: no page freed from now on is reused, so every commit grows the file
+print(txn.id(), flush=True)
+sys.stdin.read()
+"""
+
+
+@needs_core
+def test_a_snapshot_found_after_a_retry_gets_its_own_refresh(tmp_path: Any) -> None:
+    """The map's size as last found predates both the snapshot a read began and, after that snapshot's meta
+    page was reused (RETRY), the newer one it begins instead: each gets a refresh of the file's size before a
+    page past it is called damage. The CI failure of test_six_processes_fill_and_read_at_random: a sound
+    cache reported damaged ("a page number on its path lies past the end of the data file")."""
+    from helpers import assert_same, sample_for
+
+    path, n = str(tmp_path / "cache"), 3000
+    tests = os.path.dirname(os.path.abspath(__file__))
+    ds = CachedDataset(Synthetic(n), path, commit_every=1_000_000, commit_interval=3600)
+    ds._live_store()  # the cache made, nothing in it yet
+    environ = {**os.environ, "PYTHONPATH": ROOT}
+    writer = [sys.executable, "-c", _WRITER, tests, path, str(n)]
+    with subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=environ
+    ) as holder:
+        try:
+            assert int(holder.stdout.readline())  # type: ignore[union-attr]
+            for i in range(4):
+                ds[i]
+            ds.flush()
+            assert_same(ds[0], sample_for(0))  # the map and the file's size found: now stale for what follows
+            subprocess.run([*writer, "4:600"], env=environ, check=True, timeout=120)  # snapshot A, past the size
+            store = ds._live_store()
+            guard, real = store.handle._guard, store.handle._guard.refresh
+            refreshes = []
+
+            def refresh() -> None:
+                real()
+                refreshes.append(os.stat(os.path.join(path, "data.mdb")).st_size)
+                if len(refreshes) == 1:  # A's meta page reused (two commits on), the file grown again
+                    subprocess.run([*writer, "600:1200", "1200:1800"], env=environ, check=True, timeout=120)
+
+            guard.refresh = refresh
+            store.reader._drop_reader()  # the next read begins snapshot A
+            assert_same(ds[1], sample_for(1))
+            assert len(refreshes) == 2 and refreshes[1] > refreshes[0], refreshes
+        finally:
+            holder.stdin.close()  # type: ignore[union-attr]
+            holder.wait(30)
+    for i in (0, 700, 1700):
+        assert_same(ds[i], sample_for(i))

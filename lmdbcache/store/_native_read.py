@@ -106,7 +106,8 @@ def native_tree(r: Hits, txn: lmdb.Transaction) -> tuple[Any, ...]:
     is a single read: the decoded sample (a tuple: a flat value whose plan is known, its checks passed and
     its index marked verified), else a view of the value in the map for ``decode``, None if it is not
     stored, or an error code. A broken main database is looked at again after the guard finds the map and
-    the file's size again, then raised as damage, worded as the guard's.
+    the file's size again (once per snapshot: one begun after a RETRY is newer than that size), then raised
+    as damage, worded as the guard's.
 
     A new transaction on the snapshot of the last tree found (the same txnid, map view, packing and
     length: no commit since, as between the misses of a fill, where every miss begins a transaction)
@@ -134,9 +135,9 @@ def native_tree(r: Hits, txn: lmdb.Transaction) -> tuple[Any, ...]:
             r._tree = tree = (txn, view, base, length, guard.page_size, root, depth, value)
             r._last_tree = (snapshot, tree[1:])
             return tree
-        if code == _native.RETRY:
+        if code == _native.RETRY:  # a newer snapshot: its pages may lie past the file's size as last found
             r._drop_reader()
-            txn = r._reader()
+            txn, refreshed = r._reader(), False
             continue
         if code == _native.NOTFOUND:
             break  # no samples database in this snapshot: the Python path says what that means
