@@ -2014,8 +2014,11 @@ static PyObject *py_group_batch(PyObject *self, PyObject *args) {
     Py_ssize_t small, limit;
     unsigned long long first;
     if (!PyArg_ParseTuple(args, "O!nKn:group_batch", &PyList_Type, &batch, &small, &first, &limit)) return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(batch), nsmall = 0;
-    PyObject **items = PySequence_Fast_ITEMS(batch); /* the list is not resized below: no Python code runs */
+    /* A tuple of the pairs: the allocations below may run a collection, whose finalizers could edit the list. */
+    PyObject *held = PyList_AsTuple(batch);
+    if (held == NULL) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(held), nsmall = 0;
+    PyObject **items = PySequence_Fast_ITEMS(held);
     uint64_t *indices = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
     PyObject **smalls = PyMem_Malloc(sizeof(PyObject *) * (size_t)(n ? n : 1));
     uint64_t *small_indices = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
@@ -2075,6 +2078,7 @@ done:
     PyMem_Free(indices);
     PyMem_Free(smalls);
     PyMem_Free(small_indices);
+    Py_DECREF(held);
     return out;
 }
 
