@@ -315,3 +315,34 @@ def test_xxh3_sse2_and_avx2_agree_with_xxhash() -> None:
         assert done.returncode == 0, done.stderr
         seen.append(done.stdout.strip())
     assert seen[0] == "sse2 or scalar" and seen[1] in ("avx2", "sse2 or scalar")
+
+
+@needs_core
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 2**64 - 1), st.binary(max_size=40)), max_size=12),
+    st.sampled_from([0, 1, 8, 24, 64, 1 << 18]),
+    st.integers(0, 2**64 - 1),
+    st.sampled_from([0, 9, 48, 100, 1 << 18]),
+)
+def test_group_batch_equals_plan(batch: list[tuple[int, bytes]], small: int, first: int, limit: int) -> None:
+    """``core.group_batch`` lays out a commit's records byte for byte as ``_group.plan`` does (singles, groups)."""
+    from lmdbcache.format import _group
+
+    assert core is not None
+    if first + len(batch) >= 2**64:
+        first = 2**64 - 1 - len(batch)  # group ids are u64
+    assert core.group_batch(batch, small, first, limit) == _group.plan(batch, small, first, limit)
+
+
+@needs_core
+def test_group_batch_leaves_odd_items_to_python() -> None:
+    """Anything but (int, bytes) pairs with an index that fits 8 bytes comes back None: Python writes or refuses it."""
+    assert core is not None
+    odd: list[Any] = [[(1, bytearray(3)), (2, b"x")], [(-1, b"x"), (2, b"y")], [(2**64, b"x")]]
+    odd += [[(1, b"x", 0)], [[1, b"x"]]]
+    for batch in odd:
+        assert core.group_batch(batch, 100, 0, 1000) is None
+    assert core.group_batch([], 100, 0, 1000) == ([], [])
+    with pytest.raises(TypeError):
+        core.group_batch((1, b"x"), 100, 0, 1000)

@@ -1942,6 +1942,146 @@ static PyObject *py_mark_verified(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------------------------------
+ * A commit's records in one call (group_batch): what format/_group.py's ``plan`` does in Python, so the
+ * committer takes no Python step per record (issue 24: the per-miss cost). Same records, byte for byte:
+ * the differential test runs both over random batches. Only exact lists of (int, bytes) pairs are taken;
+ * anything else returns None and the Python reference writes (or refuses) the batch. */
+
+PyDoc_STRVAR(py_group_batch_doc,
+             "group_batch(batch, small, first, limit, /) -> (singles, groups) | None\n\n"
+             "format/_group.py's plan(batch, small, first, limit): ``batch`` a list of (index, bytes) pairs; singles\n"
+             "the (key, value) pairs stored alone (values of ``small`` bytes or more, and a lone small one), groups\n"
+             "a list of (group key, record, [(key, pointer), ...]) from group id ``first``, each record at most\n"
+             "``limit`` bytes unless one value is larger. None: an item the Python reference must handle.");
+
+/* The 8-byte big-endian key of an index. */
+static PyObject *index_key(uint64_t index) {
+    uint8_t k[8];
+    for (int i = 0; i < 8; i++) k[i] = (uint8_t)(index >> (56 - 8 * i));
+    return PyBytes_FromStringAndSize((const char *)k, 8);
+}
+
+/* (key, value) as a new tuple, stealing ``key``; NULL on error. */
+static PyObject *keyed(PyObject *key, PyObject *value) {
+    if (key == NULL) return NULL;
+    PyObject *pair = PyTuple_New(2);
+    if (pair == NULL) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(pair, 0, key);
+    PyTuple_SET_ITEM(pair, 1, Py_NewRef(value));
+    return pair;
+}
+
+/* (group key, record, pointers) of items[at:end] (checked (int, bytes) pairs, their indices beside), a new tuple. */
+static PyObject *one_group(PyObject **items, const uint64_t *indices, Py_ssize_t at, Py_ssize_t end,
+                           uint64_t group, Py_ssize_t record_size) {
+    PyObject *record = PyBytes_FromStringAndSize(NULL, record_size), *pointers = PyList_New(end - at), *out = NULL;
+    uint8_t gk[10] = {0xff, 'G'};
+    for (int i = 0; i < 8; i++) gk[2 + i] = (uint8_t)(group >> (56 - 8 * i));
+    if (record == NULL || pointers == NULL) goto done;
+    uint8_t *r = (uint8_t *)PyBytes_AS_STRING(record);
+    Py_ssize_t offset = 0;
+    for (Py_ssize_t k = at; k < end; k++) {
+        PyObject *value = PyTuple_GET_ITEM(items[k], 1);
+        Py_ssize_t size = PyBytes_GET_SIZE(value), pad = (8 - size % 8) % 8;
+        memcpy(r + offset, PyBytes_AS_STRING(value), (size_t)size);
+        memset(r + offset + size, 0, (size_t)pad);
+        uint8_t p[20] = {'L', 'M', 'G', 'P'};
+        put_le64(p + 4, group);
+        for (int i = 0; i < 4; i++) {
+            p[12 + i] = (uint8_t)((uint64_t)offset >> (8 * i));
+            p[16 + i] = (uint8_t)((uint64_t)size >> (8 * i));
+        }
+        PyObject *ptr = PyBytes_FromStringAndSize((const char *)p, 20), *pair = NULL;
+        if (ptr != NULL) pair = keyed(index_key(indices[k]), ptr);
+        Py_XDECREF(ptr);
+        if (pair == NULL) goto done;
+        PyList_SET_ITEM(pointers, k - at, pair);
+        offset += size + pad;
+    }
+    out = Py_BuildValue("(y#OO)", (const char *)gk, (Py_ssize_t)10, record, pointers);
+done:
+    Py_XDECREF(record);
+    Py_XDECREF(pointers);
+    return out;
+}
+
+static PyObject *py_group_batch(PyObject *self, PyObject *args) {
+    PyObject *batch;
+    Py_ssize_t small, limit;
+    unsigned long long first;
+    if (!PyArg_ParseTuple(args, "O!nKn:group_batch", &PyList_Type, &batch, &small, &first, &limit)) return NULL;
+    /* A tuple of the pairs: the allocations below may run a collection, whose finalizers could edit the list. */
+    PyObject *held = PyList_AsTuple(batch);
+    if (held == NULL) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(held), nsmall = 0;
+    PyObject **items = PySequence_Fast_ITEMS(held);
+    uint64_t *indices = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
+    PyObject **smalls = PyMem_Malloc(sizeof(PyObject *) * (size_t)(n ? n : 1));
+    uint64_t *small_indices = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
+    PyObject *singles = NULL, *groups = NULL, *out = NULL;
+    if (indices == NULL || smalls == NULL || small_indices == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) { /* every item checked before anything is built */
+        PyObject *item = items[k];
+        if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 2 || !PyLong_CheckExact(PyTuple_GET_ITEM(item, 0)) ||
+            !PyBytes_CheckExact(PyTuple_GET_ITEM(item, 1)) || PyBytes_GET_SIZE(PyTuple_GET_ITEM(item, 1)) > UINT32_MAX)
+            goto none;
+        indices[k] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(item, 0));
+        if (indices[k] == (uint64_t)-1 && PyErr_Occurred()) goto none; /* negative or too large: Python says so */
+        if (PyBytes_GET_SIZE(PyTuple_GET_ITEM(item, 1)) < small) {
+            small_indices[nsmall] = indices[k];
+            smalls[nsmall++] = item;
+        }
+    }
+    if ((singles = PyList_New(0)) == NULL || (groups = PyList_New(0)) == NULL) goto done;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *value = PyTuple_GET_ITEM(items[k], 1), *pair;
+        if (PyBytes_GET_SIZE(value) < small && nsmall >= 2) continue;
+        if ((pair = keyed(index_key(indices[k]), value)) == NULL || PyList_Append(singles, pair) < 0) {
+            Py_XDECREF(pair);
+            goto done;
+        }
+        Py_DECREF(pair);
+    }
+    for (Py_ssize_t at = 0, group_at = 0; nsmall >= 2 && at < nsmall; group_at++) {
+        Py_ssize_t end = at, size = 0, record_size = 0; /* as plan: each value counts its size plus 8 */
+        while (end < nsmall) {
+            Py_ssize_t len = PyBytes_GET_SIZE(PyTuple_GET_ITEM(smalls[end], 1));
+            if (end != at && size + len + 8 > limit) break;
+            size += len + 8;
+            record_size += len + (8 - len % 8) % 8;
+            end++;
+        }
+        if (record_size > UINT32_MAX) goto none; /* offsets are u32: the Python reference raises */
+        PyObject *one = one_group(smalls, small_indices, at, end, (uint64_t)first + (uint64_t)group_at, record_size);
+        if (one == NULL || PyList_Append(groups, one) < 0) {
+            Py_XDECREF(one);
+            goto done;
+        }
+        Py_DECREF(one);
+        at = end;
+    }
+    out = PyTuple_Pack(2, singles, groups);
+    goto done;
+none:
+    PyErr_Clear();
+    out = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(singles);
+    Py_XDECREF(groups);
+    PyMem_Free(indices);
+    PyMem_Free(smalls);
+    PyMem_Free(small_indices);
+    Py_DECREF(held);
+    return out;
+}
+
 #include "_augment.c" /* augment: the fused crop, resize, flip and normalize of a batch slice (issue 26) */
 
 /* ------------------------------------------------------------------------------------------
@@ -1965,6 +2105,7 @@ static PyMethodDef core_methods[] = {
     {"decode_flat", (PyCFunction)(void (*)(void))py_decode_flat, METH_FASTCALL, py_decode_flat_doc},
     {"encode_flat", (PyCFunction)(void (*)(void))py_encode_flat, METH_FASTCALL, py_encode_flat_doc},
     {"encode_sample", (PyCFunction)(void (*)(void))py_encode_sample, METH_FASTCALL, py_encode_sample_doc},
+    {"group_batch", py_group_batch, METH_VARARGS, py_group_batch_doc},
     {"view", py_view, METH_VARARGS, py_view_doc},
     {"address", py_address, METH_O, py_address_doc},
     {NULL, NULL, 0, NULL},

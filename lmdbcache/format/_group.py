@@ -36,7 +36,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-__all__ = ["MAGIC", "MAX_GROUP", "POINTER_SIZE", "PREFIX", "SMALL", "build", "id_of", "key", "pointer", "span"]
+__all__ = ["MAGIC", "MAX_GROUP", "POINTER_SIZE", "PREFIX", "SMALL", "build", "id_of", "key", "plan", "pointer", "span"]
 
 MAGIC = b"LMGP"
 # Bytes: a value this large or larger is stored alone, as before (its overflow pages waste under 4 KiB,
@@ -49,6 +49,7 @@ SMALL = 16384
 MAX_GROUP = 256 << 10
 PREFIX = b"\xffG"
 _KEY = struct.Struct(">2sQ")
+_INDEX_KEY = struct.Struct(">Q").pack
 _POINTER = struct.Struct("<4sQII")
 POINTER_SIZE = _POINTER.size  # 20
 KEY_SIZE = _KEY.size  # 10
@@ -102,3 +103,33 @@ def build(values: Sequence[bytes | memoryview]) -> tuple[bytes, list[tuple[int, 
             parts.append(_PADS[pad])
         at += size + pad
     return b"".join(parts), spans  # one copy of each value (a growing bytearray copied each many times)
+
+
+Pairs = list[tuple[bytes, bytes]]
+
+
+def plan(
+    batch: list[tuple[int, bytes]], small: int, first: int, limit: int
+) -> tuple[Pairs, list[tuple[bytes, bytes, Pairs]]]:
+    """The records a commit writes for ``batch`` ((index, value) pairs): ``(singles, groups)``.
+
+    ``singles``: the (key, value) pairs stored alone, in the batch's order: values of ``small`` bytes or more,
+    and a lone small value (a group of one saves nothing). ``groups``: (group key, record, [(key, pointer), ...])
+    from group id ``first`` on, the small values in the batch's order, a group closed before a value would take
+    it past ``limit`` bytes (each value counted with 8 more). The reference of ``core.group_batch``, which
+    the writer calls instead when the core is built (no Python step per record on the committer thread).
+    """
+    smalls = [(i, v) for i, v in batch if len(v) < small]
+    lone = len(smalls) < 2
+    singles = [(_INDEX_KEY(i), v) for i, v in batch if lone or len(v) >= small]
+    groups, group, at = [], first, 0
+    while not lone and at < len(smalls):
+        end, size = at, 0
+        while end < len(smalls) and (end == at or size + len(smalls[end][1]) + 8 <= limit):
+            size += len(smalls[end][1]) + 8
+            end += 1
+        record, spans = build([v for _, v in smalls[at:end]])
+        pointers = [(_INDEX_KEY(i), pointer(group, o, n)) for (i, _), (o, n) in zip(smalls[at:end], spans)]
+        groups.append((key(group), record, pointers))
+        group, at = group + 1, end
+    return singles, groups

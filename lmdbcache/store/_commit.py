@@ -75,7 +75,8 @@ class CommitQueue:
     # All methods below are called with the lock held.
 
     def add(self, index: int, value: bytes, policy: Policy | None = None) -> None:
-        self.raise_error()
+        if self._error is not None:
+            self.raise_error()
         if index in self.pending or index in self.inflight:
             return
         policy = policy or self.policy
@@ -206,7 +207,8 @@ class CommitQueue:
                     # Bounded: threading refuses waits beyond TIMEOUT_MAX (a huge commit_interval).
                     cond.wait(None if timeout is None else min(timeout, 3600.0))
                 self._busy = True
-                batch = sorted(self.inflight.items())  # key order: appends to the B-tree
+                inflight = self.inflight  # key order: appends to the B-tree (ints sort faster than pairs)
+                batch = [(index, inflight[index]) for index in sorted(inflight)]
             error = None
             try:
                 written = self._write(batch)

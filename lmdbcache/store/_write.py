@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import filelock
 import lmdb
 
+from .. import _native
 from ..errors import CacheMismatchError, CorruptCacheError, LmdbCacheError, ReadOnlyCacheError
 from ..format import _group, _pack
 from . import _fs, _metadata
@@ -47,6 +48,7 @@ __all__ = ["Writer", "sync_and_clear"]
 _KEY = struct.Struct(">Q").pack
 _PKEY = _pack.key
 _TAG = _pack.TAG
+_group_batch = _native.core.group_batch if _native.core is not None else None  # _group.plan in one call
 
 
 class _Present(Exception):
@@ -68,13 +70,10 @@ class Writer:
         self._file_lock: filelock.BaseFileLock | None = None
         self._close_when_idle = False  # close() was interrupted while a batch was being written
         self._queue = CommitQueue(handle._lock, self._write_batch, policy, on_idle=self._idle)
-
-    def lookup(self, index: int) -> bytes | None:
-        """The encoded value of ``index`` if it is queued or in flight here (not yet committed), else None.
-
-        What the reader may ask of the write path (``Store`` hands it this method); the lock is held.
-        """
-        return self._queue.lookup(index)
+        # lookup(index): the encoded value of ``index`` if it is queued or in flight here (not yet committed), else
+        # None. What the reader may ask of the write path (``Store`` hands it this); the lock is held. The queue's
+        # own method (one frame less on every miss: the queue object lives as long as the writer).
+        self.lookup: Callable[[int], bytes | None] = self._queue.lookup
 
     @property
     def queued(self) -> int:
@@ -129,17 +128,21 @@ class Writer:
         ``build`` (the dataset's build id) guards against a rebuild in between: a sample of a
         build this store no longer holds is refused, never written into the new one.
         """
-        with self._lock:
-            if build is not None and build != self._h.build:
-                raise self._h.mismatch(build)
-            if self._h._stale is not None:
-                raise CacheMismatchError(self._h._stale)
-            if self._h.readonly or (self._h._env is None and not _fs.writable(self._h.path)):
+        h, lock = self._h, self._lock
+        lock.acquire()  # not `with`: once per miss
+        try:
+            if build is not h.build and build is not None and build != h.build:
+                raise h.mismatch(build)
+            if h._stale is not None:
+                raise CacheMismatchError(h._stale)
+            if h.readonly or (h._env is None and not _fs.writable(h.path)):
                 raise ReadOnlyCacheError(
-                    f"Cache '{self._h.path}' is read-only (read-only directory or mount) and index {index} is not "
+                    f"Cache '{h.path}' is read-only (read-only directory or mount) and index {index} is not "
                     "cached. Open the cache without a dataset, or copy it to a writable location to fill it."
                 )
             self._queue.add(index, value, policy)
+        finally:
+            lock.release()
 
     def flush(self) -> int:
         """Commit this process's queued samples and wait for them; return how many were queued."""
@@ -247,35 +250,25 @@ class Writer:
         absent and one was not (the caller aborts ``txn`` and writes the batch again, not hopeful).
 
         Hopeful, the usual case (one process filling), costs one ``putmulti`` of the pointers instead
-        of a ``get`` and a ``put`` per index: py-lmdb releases the GIL around each of them.
+        of a ``get`` and a ``put`` per index: py-lmdb releases the GIL around each of them. The records
+        are laid out by the core in one call (``core.group_batch``), else by ``_group.plan``: the same bytes.
         """
         db, small_size = self._h._samples, _group.SMALL
         cursor = txn.cursor(db=db)
-        large = [(_KEY(i), v) for i, v in batch if len(v) >= small_size]
-        written = cursor.putmulti(large, overwrite=False)[1] if large else 0
-        if hopeful:
-            small = [(i, v) for i, v in batch if len(v) < small_size]
-        else:
+        if not hopeful:
             get = txn.get
-            small = [(i, v) for i, v in batch if len(v) < small_size and get(_KEY(i), db=db) is None]
-        if len(small) < 2:
-            added = cursor.putmulti([(_KEY(i), v) for i, v in small], overwrite=False)[1] if small else 0
-            return written + added
-        group, at, limit = self._next_group(txn), 0, _group.MAX_GROUP
-        while at < len(small):
-            end, size = at, 0
-            while end < len(small) and (end == at or size + len(small[end][1]) + 8 <= limit):
-                size += len(small[end][1]) + 8
-                end += 1
-            record, spans = _group.build([v for _, v in small[at:end]])
-            if not txn.put(_group.key(group), record, db=db, overwrite=False):
+            batch = [(i, v) for i, v in batch if len(v) >= small_size or get(_KEY(i), db=db) is None]
+        first = self._next_group(txn)
+        planned = _group_batch(batch, small_size, first, _group.MAX_GROUP) if _group_batch is not None else None
+        singles, groups = planned or _group.plan(batch, small_size, first, _group.MAX_GROUP)
+        written = cursor.putmulti(singles, overwrite=False)[1] if singles else 0
+        for group_key, record, pointers in groups:
+            if not txn.put(group_key, record, db=db, overwrite=False):
                 raise CorruptCacheError(f"Cache '{self._h.path}' is damaged: a key sorts after its groups'. {REBUILD}")
-            pointer = _group.pointer
-            pointers = [(_KEY(i), pointer(group, o, n)) for (i, _), (o, n) in zip(small[at:end], spans)]
             if cursor.putmulti(pointers, overwrite=False)[1] != len(pointers):
                 return -1  # an index was present (another process stored it): its value must not join a group
-            group, at = group + 1, end
-        return written + len(small)
+            written += len(pointers)
+        return written
 
     def _next_group(self, txn: lmdb.Transaction) -> int:
         """The id of the next group: one past the last group's (group keys sort last), or 0."""
