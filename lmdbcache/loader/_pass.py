@@ -49,18 +49,7 @@ def _new_rng_lock() -> None:
 os.register_at_fork(after_in_child=_new_rng_lock)
 _U64 = (1 << 64) - 1
 
-__all__ = [
-    "INLINE",
-    "Pass",
-    "Ring",
-    "Spare",
-    "current_stream_event",
-    "ended",
-    "one_by_one",
-    "stamp",
-    "stray",
-    "together",
-]
+__all__ = ["INLINE", "Pass", "Ring", "current_stream_event", "ended", "one_by_one", "stamp", "stray", "together"]
 
 # A batch smaller than this is copied by the planner thread itself: its per-sample work holds
 # the GIL anyway, and the hand-off to the pool cost more than it saved (3x32x32, batch 64:
@@ -149,14 +138,11 @@ class PassSpec:
 class Pass:
     """One pass: the planner thread, the copy pool and the queue of finished batches."""
 
-    def __init__(self, spec: PassSpec, epoch: int, batches: list[list[int]], start: int, held: bool = False) -> None:
+    def __init__(self, spec: PassSpec, epoch: int, batches: list[list[int]], start: int) -> None:
         self.spec, self.epoch, self.batches, self.start = spec, epoch, batches, start
         self.ds = spec.dataset
         self.out: queue.Queue[Any] = queue.Queue(maxsize=spec.prefetch)
         self.stopping = threading.Event()
-        self.go = threading.Event()  # held (``Spare``): the planner builds the first batch, then waits for it
-        if not held:
-            self.go.set()
         self.replaced = False  # set by the Loader when a newer pass of it starts (see ``ended``)
         self.small, self.built = True, 0  # every batch built so far was copied from the map under INLINE bytes
         self.pool = ThreadPoolExecutor(spec.num_threads, thread_name_prefix="lmdbcache-copy")
@@ -180,7 +166,6 @@ class Pass:
 
     def stop(self) -> None:
         self.stopping.set()
-        self.go.set()  # a held planner wakes to see it
         while self.planner.is_alive():
             try:
                 while True:
@@ -207,9 +192,6 @@ class Pass:
             if not self._put(item) or isinstance(item, BaseException):
                 return
             del item
-            while not self.go.wait(0.1):  # a pass started ahead builds one batch until it is taken
-                if self.stopping.is_set():
-                    return
 
     def _build(self, k: int) -> Any:
         """Batch ``k`` and its ring slots, or the exception that building it raised (noted with where)."""
@@ -284,43 +266,6 @@ class Pass:
         for f in futures:
             samples += f.result()
         return default_collate(samples)
-
-
-class Spare:
-    """The next epoch's pass, started while the consumer holds the last batch of an epoch (``augment=`` loaders).
-
-    Without it an epoch's first batch is built only when ``iter`` asks for it, and a trainer waits that
-    long at every epoch start (an augmented batch of 64 takes milliseconds). The batches of epoch e + 1
-    are a pure function of the loader's own order, so its pass can start early: it builds the first batch
-    only (work done outside the epoch, and lost if no pass follows, stays one batch) until ``take`` hands it
-    to a pass that starts that epoch, with the same batches, from its first batch; otherwise it is stopped.
-    """
-
-    def __init__(self) -> None:
-        self.run: Pass | None = None
-
-    def start(self, spec: PassSpec, epoch: int, batches: list[list[int]]) -> None:
-        self.stop()
-        self.run = Pass(spec, epoch, batches, 0, held=True)
-
-    def take(self, epoch: int, batches: list[list[int]], start: int) -> Pass | None:
-        run, self.run = self.run, None
-        if run is not None and (run.epoch != epoch or start or run.batches != batches):
-            run.stop()
-            return None
-        if run is not None:
-            run.go.set()
-        return run
-
-    def keep(self, epoch: int) -> None:
-        """Stop the pass ahead now unless it is of ``epoch`` (the Loader's ``set_epoch``)."""
-        if self.run is not None and self.run.epoch != epoch:
-            self.stop()
-
-    def stop(self) -> None:
-        run, self.run = self.run, None
-        if run is not None:
-            run.stop()
 
 
 class InlinePass(Pass):
