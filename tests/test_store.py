@@ -815,11 +815,10 @@ def test_the_reader_and_the_writer_own_their_state_and_share_only_what_they_are_
 
 
 def test_a_refresh_never_stores_an_older_file_size(tmp_path):
-    """Two threads refreshing the guard at once (a reader whose lookup failed, the committer reading a group
-    record): the one that looked at the file first never stores its older size last. The first refresh is
-    held between its look at the file and its store while the file grows; the second, started then, ends
-    after it, and the guard holds the grown size (before the fix: the first's, and the reader, finding a
-    page past it twice, raised CorruptCacheError on a sound cache: tests/stress/test_reliability.py)."""
+    """Two threads refreshing the guard at once: the one that looked at the file first never stores its older
+    size last. The first refresh is held between its look at the file and its store while the file grows; the
+    second, started then, ends after it, and the guard holds the grown size (without the guard's own lock: the
+    first's; a reader then finding a page past it would call a sound cache damaged)."""
     import threading
 
     from lmdbcache.store import _guard

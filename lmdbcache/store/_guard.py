@@ -119,9 +119,9 @@ class MapGuard:
         # record while another refreshes sees one mapping's figures, never a mix
         self._mapped: tuple[int, int, memoryview] = (0, 0, _EMPTY)
         self._unreadable = ""  # why the last refresh failed (every check then fails with it), or ""
-        # One refresh at a time: two threads refreshing at once (a reader after a failed lookup, the committer
-        # reading a group record) could store the older file size last, and the reader, finding the page it
-        # looked for past that size again, would call a sound cache damaged (tests/test_store.py:
+        # One refresh at a time: two threads refreshing at once could store the older file size last, and a
+        # reader finding its page past that size again would call a sound cache damaged. Today's callers hold
+        # the handle's lock; this keeps the guard right without relying on that (tests/test_store.py:
         # test_a_refresh_never_stores_an_older_file_size)
         self._refreshing = threading.Lock()
         self.refresh()
