@@ -706,6 +706,60 @@ def test_damaged_values_give_the_same_single_read_error_both_ways(tmp_path: Any,
     assert "index 13" in errors[0][1]
 
 
+def _long(i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Two long tensor fields (7500 and 1200 bytes): each hashed in its copy's pass, the digest chained."""
+    return _tensor(i, "uint8", (3, 50, 50)), _tensor(i + 1, "float32", (300,)), i
+
+
+@needs_core
+@pytest.mark.parametrize("at", [0, 1023, 1024, 4000, 7499, 7500, 8700 - 64, 8700 - 63, 8700 - 1])
+def test_a_damaged_byte_of_a_long_value_is_found_by_every_first_read(tmp_path: Any, at: int) -> None:
+    """A flipped data byte of long fields (a block's last and first bytes, the second field's first, the final
+    stripe) raises the same CorruptSampleError from ds[i], __getitems__ and a loader batch, on both paths."""
+    path = tmp_path / "c.lmdb"
+    ds = CachedDataset(Listed([_long(i) for i in range(16)]), str(path))
+    ds.__getitems__(list(range(16)))
+    ds.close()
+    with raw_cache(path) as (txn, samples, _):
+        value = bytearray(stored(txn, samples, 13))
+        value[len(value) - 8700 + at] ^= 0x01  # the tensors' bytes end the value: the first at len - 8700
+        txn.put(key(13), bytes(value), db=samples)
+    errors = _damaged_singles(str(path), 13)
+    for native in (True, False):
+        with contextlib.nullcontext() if native else _python_path():
+            ds = CachedDataset.open(str(path))
+            try:
+                with pytest.raises(LmdbCacheError) as raised:
+                    _epoch(ds, 4)
+                errors.append((type(raised.value), str(raised.value)))
+            finally:
+                ds.close()
+    assert len(errors) == 6 and len(set(errors)) == 1 and errors[0][0] is CorruptSampleError, errors
+    assert "index 13" in errors[0][1]
+
+
+@needs_core
+def test_the_core_verifies_long_values_itself() -> None:
+    """core.decode_flat and core.fill accept a sound value of long fields with the data checksum on (no fallback to
+    Python) and refuse it with any one data byte flipped: the one-pass copy and checksum agrees with the encoder."""
+    from lmdbcache.format._decode import NATIVE_PLANS
+
+    core.set_plans(NATIVE_PLANS)
+    value = codec.encode(_long(13), 13)
+    codec.decode(value, 13)  # plans the signature
+    layout = Layout(bytes(value[25 : 27 + struct.unpack_from("<H", value, 25)[0]]))
+    buffers = Buffers(layout, 2)
+    assert _bytes_of(core.decode_flat(value, 13, True)) == _bytes_of(_long(13))
+    assert _fill(value, buffers, index=13) == (0, 0)
+    got, want = buffers.batch(1), _long(13)
+    assert [_bytes_of(got[0][0]), _bytes_of(got[1][0]), got[2].tolist()] == [*map(_bytes_of, want[:2]), [13]]
+    for at in (0, 1023, 1024, 7500, 8700 - 63, 8700 - 1):
+        damaged = bytearray(value)
+        damaged[len(value) - 8700 + at] ^= 0x80
+        assert core.decode_flat(bytes(damaged), 13, True) is None, at
+        assert _fill(bytes(damaged), buffers, index=13) == (4, 0), at
+
+
 @needs_core
 @pytest.mark.parametrize(
     ("edit", "words"),

@@ -87,6 +87,51 @@ def test_xxh3_arguments() -> None:
         core.xxh3_64(b"", 0, 1)
 
 
+# Lengths around XXH3's edges: the long form from 241 bytes, stripes of 64, blocks of 1024 (16 stripes).
+_EDGE_LENGTHS = st.one_of(
+    st.integers(0, 4096),
+    st.builds(
+        lambda blocks, off: max(0, blocks * 1024 + off),
+        st.integers(0, 160),
+        st.sampled_from([-65, -64, -63, -1, 0, 1, 2, 63, 64, 65, 500, 960, 961]),
+    ),
+)
+
+
+@needs_core
+@given(n=_EDGE_LENGTHS, seed=st.one_of(st.just(0), st.integers(0, 2**64 - 1)), fill=st.integers(0, 2**32))
+@settings(max_examples=300, deadline=None)
+def test_xxh3_copy_hypothesis(n: int, seed: int, fill: int) -> None:
+    """xxh3_64_copy (the first read's copy and checksum in one pass) copies exactly the source, touches nothing
+    around the destination, and returns xxh3_64 of it: lengths ending mid-stripe, mid-block, on block edges."""
+    data = random.Random(fill).randbytes(n)
+    buf = bytearray(b"\xa5" * (n + 128))
+    digest = core.xxh3_64_copy(memoryview(buf)[64 : 64 + n], data, seed)
+    assert digest == core.xxh3_64(data, seed) == xxh3_64_intdigest(data, seed), (n, seed)
+    assert buf[64 : 64 + n] == data
+    assert buf[:64] == buf[64 + n :] == b"\xa5" * 64
+
+
+@needs_core
+def test_xxh3_copy_arguments() -> None:
+    """xxh3_64_copy refuses a read-only, shorter, longer or overlapping destination before copying anything."""
+    data = bytes(range(256)) * 4
+    with pytest.raises(BufferError):
+        core.xxh3_64_copy(bytes(len(data)), data)
+    for size in (len(data) - 1, len(data) + 1):
+        dest = bytearray(size)
+        with pytest.raises(ValueError, match="length"):
+            core.xxh3_64_copy(dest, data)
+        assert dest == bytearray(size)
+    shared = bytearray(data) + bytearray(512)
+    with pytest.raises(ValueError, match="overlap"):
+        core.xxh3_64_copy(memoryview(shared)[512:], memoryview(shared)[: len(data)])
+    with pytest.raises(TypeError):
+        core.xxh3_64_copy(bytearray(1))
+    assert core.xxh3_64_copy(bytearray(0), b"") == xxh3_64_intdigest(b"")
+    assert core.xxh3_64_copy(bytearray(len(data)), data, -1) == xxh3_64_intdigest(data, 2**64 - 1)
+
+
 # ----------------------------------------------------------------------------------------
 # The snapshot reader (open_tree, locate) against py-lmdb on real environments
 
@@ -312,6 +357,32 @@ def test_xxh3_sse2_and_avx2_agree_with_xxhash() -> None:
     for cap in ("sse2", ""):
         env = {**os.environ, "LMDBCACHE_HASH_SIMD": cap}
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        seen.append(done.stdout.strip())
+    assert seen[0] == "sse2 or scalar" and seen[1] in ("avx2", "sse2 or scalar")
+
+
+_COPY_CHILD = """
+import random, lmdbcache._native as n, xxhash
+r = random.Random(5)
+sizes = list(range(200, 2200)) + [k * 1024 + d for k in range(2, 150, 7) for d in (-65, -64, -1, 0, 1, 63, 64, 65)]
+for size in sizes + [150528, 1 << 20]:
+    data, seed = r.randbytes(size), r.choice([0, r.getrandbits(64)])
+    buf = bytearray(size + 128)
+    got = n.core.xxh3_64_copy(memoryview(buf)[64 : 64 + size], data, seed)
+    assert got == xxhash.xxh3_64_intdigest(data, seed), (size, seed)
+    assert buf[64 : 64 + size] == data and not any(buf[:64]) and not any(buf[64 + size :]), size
+print(n.core.HASH_SIMD)
+"""
+
+
+@needs_core
+def test_xxh3_copy_sse2_and_avx2_agree_with_xxhash() -> None:
+    """The one-pass copy and checksum equals xxhash's on both long loops (AVX2 when the CPU has it, SSE2 forced)."""
+    seen = []
+    for cap in ("sse2", ""):
+        env = {**os.environ, "LMDBCACHE_HASH_SIMD": cap}
+        done = subprocess.run([sys.executable, "-c", _COPY_CHILD], env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         seen.append(done.stdout.strip())
     assert seen[0] == "sse2 or scalar" and seen[1] in ("avx2", "sse2 or scalar")

@@ -898,8 +898,8 @@ static int aug_row(const Map *m, const uint8_t *rec, const AugShape *t, const Au
             continue;
         }
         uint8_t *row = (uint8_t *)out[f].buf + j * t->nbytes[f];
-        memcpy(row, v + pos, t->nbytes[f]);
-        if (check) digest = xxh3_64(row, t->nbytes[f], digest);
+        if (check) digest = xxh3_64_copy(row, v + pos, t->nbytes[f], digest);
+        else memcpy(row, v + pos, t->nbytes[f]);
     }
     if (check && digest != le64(v + 16)) return FILL_DATA;
     if (t->scalar_size) memcpy(scalars + j * t->scalar_size, v + t->scalars_at, t->scalar_size);

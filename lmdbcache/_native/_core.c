@@ -239,6 +239,32 @@ static uint64_t xxh3_long(const uint8_t *in, size_t len, const uint8_t *sec) {
     return xxh3_avalanche(result);
 }
 
+/* The same long hash of ``len`` bytes at ``src``, copied to ``dst`` on the way, one 1 KiB block at a time: each
+ * block is copied and then hashed from ``dst`` while it is still in L1, so the bytes are read from memory once
+ * (a copy followed by a hash of the whole copy reads them twice). The stripes, blocks and scrambles are
+ * xxh3_long's, in its order, over the copy: the result equals xxh3_long(dst, len, sec). */
+static uint64_t xxh3_long_copy(uint8_t *dst, const uint8_t *src, size_t len, const uint8_t *sec) {
+    uint64_t acc[8] = {P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1};
+    const size_t stripes_per_block = (SECRET_SIZE - STRIPE) / 8;
+    const size_t block = STRIPE * stripes_per_block;
+    size_t blocks = (len - 1) / block;
+    for (size_t n = 0; n < blocks; n++) {
+        memcpy(dst + n * block, src + n * block, block);
+        for (size_t s = 0; s < stripes_per_block; s++) accumulate512(acc, dst + n * block + s * STRIPE, sec + s * 8);
+        scramble(acc, sec + SECRET_SIZE - STRIPE);
+    }
+    memcpy(dst + blocks * block, src + blocks * block, len - blocks * block); /* the last 1 to 1024 bytes */
+    size_t stripes = ((len - 1) - block * blocks) / STRIPE;
+    for (size_t s = 0; s < stripes; s++) accumulate512(acc, dst + blocks * block + s * STRIPE, sec + s * 8);
+    accumulate512(acc, dst + len - STRIPE, sec + SECRET_SIZE - STRIPE - 7);
+    uint64_t result = len * P64_1;
+    for (int i = 0; i < 4; i++) {
+        const uint8_t *k = sec + 11 + 16 * i;
+        result += mul128_fold64(acc[2 * i] ^ le64(k), acc[2 * i + 1] ^ le64(k + 8));
+    }
+    return xxh3_avalanche(result);
+}
+
 /* The same long hash, eight lanes per stripe in two AVX2 registers (about 1.7x SSE2's speed here). Compiled
  * for AVX2 whatever the build's baseline (target attribute) and used only when the CPU has it
  * (xxh3_long_best, chosen at import). The steps are the
@@ -246,11 +272,6 @@ static uint64_t xxh3_long(const uint8_t *in, size_t len, const uint8_t *sec) {
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(LMDBCACHE_NO_AVX2)
 #include <immintrin.h>
 #define HAVE_AVX2_HASH 1
-__attribute__((target("avx2"))) static uint64_t xxh3_long_avx2(const uint8_t *in, size_t len, const uint8_t *sec) {
-    uint64_t acc[8] = {P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1};
-    __m256i a0 = _mm256_loadu_si256((const __m256i *)(const void *)acc);
-    __m256i a1 = _mm256_loadu_si256((const __m256i *)(const void *)(acc + 4));
-    const __m256i prime = _mm256_set1_epi32((int)P32_1);
 #define ACC_LANES(a, d, k)                                                                                     \
     do {                                                                                                       \
         __m256i dk = _mm256_xor_si256(d, k);                                                                   \
@@ -265,6 +286,17 @@ __attribute__((target("avx2"))) static uint64_t xxh3_long_avx2(const uint8_t *in
         ACC_LANES(a0, d0, _mm256_loadu_si256((const __m256i *)(const void *)(k)));                             \
         ACC_LANES(a1, d1, _mm256_loadu_si256((const __m256i *)(const void *)((k) + 32)));                      \
     } while (0)
+/* STRIPE_AT of the stripe at src, which is stored to dst from the same registers: the hash of what was stored. */
+#define STRIPE_COPY(dst, src, k)                                                                               \
+    do {                                                                                                       \
+        __m256i d0 = _mm256_loadu_si256((const __m256i *)(const void *)(src));                                 \
+        __m256i d1 = _mm256_loadu_si256((const __m256i *)(const void *)((src) + 32));                          \
+        __asm__("" : "+x"(d0), "+x"(d1));                                                                      \
+        _mm256_storeu_si256((__m256i *)(void *)(dst), d0);                                                     \
+        _mm256_storeu_si256((__m256i *)(void *)((dst) + 32), d1);                                              \
+        ACC_LANES(a0, d0, _mm256_loadu_si256((const __m256i *)(const void *)(k)));                             \
+        ACC_LANES(a1, d1, _mm256_loadu_si256((const __m256i *)(const void *)((k) + 32)));                      \
+    } while (0)
 #define SCRAMBLE(a, k)                                                                                         \
     do {                                                                                                       \
         __m256i x = _mm256_xor_si256(_mm256_xor_si256(a, _mm256_srli_epi64(a, 47)),                            \
@@ -273,6 +305,26 @@ __attribute__((target("avx2"))) static uint64_t xxh3_long_avx2(const uint8_t *in
         __m256i hi = _mm256_mul_epu32(_mm256_shuffle_epi32(x, _MM_SHUFFLE(0, 3, 0, 1)), prime);                \
         a = _mm256_add_epi64(lo, _mm256_slli_epi64(hi, 32));                                                   \
     } while (0)
+
+/* The accumulators merged into the 64-bit result (the spec's merge starts 11 bytes into the secret). */
+__attribute__((target("avx2"))) static inline uint64_t merge_avx2(__m256i a0, __m256i a1, size_t len,
+                                                                   const uint8_t *sec) {
+    uint64_t acc[8];
+    _mm256_storeu_si256((__m256i *)(void *)acc, a0);
+    _mm256_storeu_si256((__m256i *)(void *)(acc + 4), a1);
+    uint64_t result = len * P64_1;
+    for (int i = 0; i < 4; i++) {
+        const uint8_t *k = sec + 11 + 16 * i;
+        result += mul128_fold64(acc[2 * i] ^ le64(k), acc[2 * i + 1] ^ le64(k + 8));
+    }
+    return xxh3_avalanche(result);
+}
+
+__attribute__((target("avx2"))) static uint64_t xxh3_long_avx2(const uint8_t *in, size_t len, const uint8_t *sec) {
+    uint64_t acc[8] = {P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1};
+    __m256i a0 = _mm256_loadu_si256((const __m256i *)(const void *)acc);
+    __m256i a1 = _mm256_loadu_si256((const __m256i *)(const void *)(acc + 4));
+    const __m256i prime = _mm256_set1_epi32((int)P32_1);
     const size_t stripes_per_block = (SECRET_SIZE - STRIPE) / 8;
     const size_t block = STRIPE * stripes_per_block;
     size_t blocks = (len - 1) / block;
@@ -284,23 +336,59 @@ __attribute__((target("avx2"))) static uint64_t xxh3_long_avx2(const uint8_t *in
     size_t stripes = ((len - 1) - block * blocks) / STRIPE;
     for (size_t s = 0; s < stripes; s++) STRIPE_AT(in + blocks * block + s * STRIPE, sec + s * 8);
     STRIPE_AT(in + len - STRIPE, sec + SECRET_SIZE - STRIPE - 7);
+    return merge_avx2(a0, a1, len, sec);
+}
+
+/* xxh3_long_avx2 of ``len`` bytes at ``src`` copied to ``dst`` on the way: each stripe is loaded once, stored
+ * to dst and hashed from the same registers, so the hash costs no second read of the bytes (a copy from a cold
+ * page cache runs at memory speed, and the hash's arithmetic fits in the wait). The bytes after the last whole
+ * stripe are copied by memcpy, and the final stripe (the input's last 64 bytes) is read back from dst: the
+ * result equals xxh3_long_avx2(dst, len, sec). */
+__attribute__((target("avx2"))) static uint64_t xxh3_long_copy_avx2(uint8_t *dst, const uint8_t *src, size_t len,
+                                                                     const uint8_t *sec) {
+    uint64_t acc[8] = {P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1};
+    __m256i a0 = _mm256_loadu_si256((const __m256i *)(const void *)acc);
+    __m256i a1 = _mm256_loadu_si256((const __m256i *)(const void *)(acc + 4));
+    const __m256i prime = _mm256_set1_epi32((int)P32_1);
+    const size_t stripes_per_block = (SECRET_SIZE - STRIPE) / 8;
+    const size_t block = STRIPE * stripes_per_block;
+    size_t blocks = (len - 1) / block;
+    for (size_t n = 0; n < blocks; n++) {
+        for (size_t s = 0; s < stripes_per_block; s++) {
+            size_t at = n * block + s * STRIPE;
+            STRIPE_COPY(dst + at, src + at, sec + s * 8);
+        }
+        SCRAMBLE(a0, sec + SECRET_SIZE - STRIPE);
+        SCRAMBLE(a1, sec + SECRET_SIZE - STRIPE + 32);
+    }
+    size_t stripes = ((len - 1) - block * blocks) / STRIPE;
+    for (size_t s = 0; s < stripes; s++) {
+        size_t at = blocks * block + s * STRIPE;
+        STRIPE_COPY(dst + at, src + at, sec + s * 8);
+    }
+    size_t done = blocks * block + stripes * STRIPE; /* len - 64 <= done < len */
+    memcpy(dst + done, src + done, len - done);
+    STRIPE_AT(dst + len - STRIPE, sec + SECRET_SIZE - STRIPE - 7);
+    return merge_avx2(a0, a1, len, sec);
+}
 #undef ACC_LANES
 #undef STRIPE_AT
+#undef STRIPE_COPY
 #undef SCRAMBLE
-    _mm256_storeu_si256((__m256i *)(void *)acc, a0);
-    _mm256_storeu_si256((__m256i *)(void *)(acc + 4), a1);
-    uint64_t result = len * P64_1;
-    for (int i = 0; i < 4; i++) {
-        const uint8_t *k = sec + 11 + 16 * i;
-        result += mul128_fold64(acc[2 * i] ^ le64(k), acc[2 * i + 1] ^ le64(k + 8));
-    }
-    return xxh3_avalanche(result);
-}
 
 #endif
 
 /* The long hash this CPU runs best: set at import (PyInit__core); LMDBCACHE_HASH_SIMD=sse2 keeps SSE2's. */
 static uint64_t (*xxh3_long_best)(const uint8_t *, size_t, const uint8_t *) = xxh3_long;
+static uint64_t (*xxh3_long_copy_best)(uint8_t *, const uint8_t *, size_t, const uint8_t *) = xxh3_long_copy;
+
+/* A seeded long hash uses the default secret with the seed added to (and subtracted from) each u64 pair. */
+static inline void seeded_secret(uint8_t *secret, uint64_t seed) {
+    for (int i = 0; i < SECRET_SIZE / 16; i++) {
+        put_le64(secret + 16 * i, le64(K_SECRET + 16 * i) + seed);
+        put_le64(secret + 16 * i + 8, le64(K_SECRET + 16 * i + 8) - seed);
+    }
+}
 
 /* XXH3-64 of ``len`` bytes at ``in`` with ``seed``; touches exactly those bytes. */
 static uint64_t xxh3_64(const uint8_t *in, size_t len, uint64_t seed) {
@@ -308,13 +396,22 @@ static uint64_t xxh3_64(const uint8_t *in, size_t len, uint64_t seed) {
     if (len <= 128) return xxh3_17to128(in, len, K_SECRET, seed);
     if (len <= MIDSIZE_MAX) return xxh3_129to240(in, len, K_SECRET, seed);
     if (seed == 0) return xxh3_long_best(in, len, K_SECRET);
-    /* A seeded long hash uses the default secret with the seed added to (and subtracted from) each u64 pair. */
     _Alignas(64) uint8_t secret[SECRET_SIZE]; /* aligned: fewer of the secret's loads split across lines */
-    for (int i = 0; i < SECRET_SIZE / 16; i++) {
-        put_le64(secret + 16 * i, le64(K_SECRET + 16 * i) + seed);
-        put_le64(secret + 16 * i + 8, le64(K_SECRET + 16 * i + 8) - seed);
-    }
+    seeded_secret(secret, seed);
     return xxh3_long_best(in, len, secret);
+}
+
+/* memcpy(dst, src, len) and then xxh3_64(dst, len, seed), in one pass over the bytes for a long input (see
+ * xxh3_long_copy): the digest of what dst holds. dst and src must not overlap. */
+static uint64_t xxh3_64_copy(uint8_t *dst, const uint8_t *src, size_t len, uint64_t seed) {
+    if (len <= MIDSIZE_MAX) {
+        memcpy(dst, src, len);
+        return xxh3_64(dst, len, seed);
+    }
+    if (seed == 0) return xxh3_long_copy_best(dst, src, len, K_SECRET);
+    _Alignas(64) uint8_t secret[SECRET_SIZE];
+    seeded_secret(secret, seed);
+    return xxh3_long_copy_best(dst, src, len, secret);
 }
 
 /* Bytes from which a hash releases the GIL (below, taking it back costs more than the hash). */
@@ -346,6 +443,48 @@ static PyObject *py_xxh3_64(PyObject *self, PyObject *const *args, Py_ssize_t na
         h = xxh3_64(view.buf, (size_t)view.len, seed);
     }
     PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+PyDoc_STRVAR(py_xxh3_64_copy_doc,
+             "xxh3_64_copy(dest, source, seed=0, /) -> int\n\n"
+             "Copy ``source`` into ``dest`` (a writable buffer of the same length, not overlapping it) and return\n"
+             "xxh3_64 of the copy, in the one pass the read path uses for a first read's data checksum.");
+
+static PyObject *py_xxh3_64_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 2 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "xxh3_64_copy() takes a destination, a source and an optional seed");
+        return NULL;
+    }
+    uint64_t seed = 0;
+    if (nargs == 3) {
+        seed = PyLong_AsUnsignedLongLongMask(args[2]);
+        if (seed == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+    }
+    Py_buffer dst, src;
+    if (PyObject_GetBuffer(args[0], &dst, PyBUF_WRITABLE) < 0) return NULL;
+    if (PyObject_GetBuffer(args[1], &src, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    const uint8_t *d = dst.buf, *s = src.buf;
+    if (dst.len != src.len || (src.len && d < s + src.len && s < d + dst.len)) {
+        PyErr_SetString(PyExc_ValueError, "xxh3_64_copy(): the destination must have the source's length and not "
+                                          "overlap it");
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    uint64_t h;
+    if (src.len >= NOGIL_MIN) {
+        Py_BEGIN_ALLOW_THREADS
+        h = xxh3_64_copy(dst.buf, src.buf, (size_t)src.len, seed);
+        Py_END_ALLOW_THREADS
+    } else {
+        h = xxh3_64_copy(dst.buf, src.buf, (size_t)src.len, seed);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
     return PyLong_FromUnsignedLongLong(h);
 }
 
@@ -1324,15 +1463,16 @@ static PyObject *flat_sample(const uint8_t *v, uint64_t size, uint64_t index, in
     if (cold || size - 24 - struct_size >= COPY_NOGIL_MIN) { /* cold: the copy waits for the disk */
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t k = 0; k < ntensors; k++) {
-            memcpy(copies[k], v + pos, nbytes[k]);
-            if (verify) digest = xxh3_64(copies[k], nbytes[k], digest); /* over the copy: what the sample holds */
+            /* the checksum over the copy (what the sample holds), in the copy's pass (xxh3_64_copy) */
+            if (verify) digest = xxh3_64_copy(copies[k], v + pos, nbytes[k], digest);
+            else memcpy(copies[k], v + pos, nbytes[k]);
             pos += nbytes[k];
         }
         Py_END_ALLOW_THREADS
     } else {
         for (Py_ssize_t k = 0; k < ntensors; k++) {
-            memcpy(copies[k], v + pos, nbytes[k]);
-            if (verify) digest = xxh3_64(copies[k], nbytes[k], digest);
+            if (verify) digest = xxh3_64_copy(copies[k], v + pos, nbytes[k], digest);
+            else memcpy(copies[k], v + pos, nbytes[k]);
             pos += nbytes[k];
         }
     }
@@ -1587,16 +1727,14 @@ static PyObject *py_encode_flat(PyObject *self, PyObject *const *args, Py_ssize_
     uint64_t digest = index;
     if (data_bytes >= COPY_NOGIL_MIN) {
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t k = 0; k < nbufs; k++) {
-            memcpy(s, views[k].buf, (size_t)views[k].len);
-            digest = xxh3_64(s, (size_t)views[k].len, digest); /* over the copy: what the value holds */
+        for (Py_ssize_t k = 0; k < nbufs; k++) { /* the checksum over the copy: what the value holds */
+            digest = xxh3_64_copy(s, views[k].buf, (size_t)views[k].len, digest);
             s += views[k].len;
         }
         Py_END_ALLOW_THREADS
     } else {
         for (Py_ssize_t k = 0; k < nbufs; k++) {
-            memcpy(s, views[k].buf, (size_t)views[k].len);
-            digest = xxh3_64(s, (size_t)views[k].len, digest);
+            digest = xxh3_64_copy(s, views[k].buf, (size_t)views[k].len, digest);
             s += views[k].len;
         }
     }
@@ -1903,8 +2041,8 @@ done:
         uint64_t digest = index;
         for (Py_ssize_t f = 0; f < nfields; f++) {
             uint8_t *row = (uint8_t *)out[f].buf + (uint64_t)j * nbytes[f];
-            memcpy(row, v + pos[f], nbytes[f]);
-            if (check) digest = xxh3_64(row, nbytes[f], digest); /* over the copy: what the batch holds */
+            if (check) digest = xxh3_64_copy(row, v + pos[f], nbytes[f], digest); /* over the copy: what the batch holds */
+            else memcpy(row, v + pos[f], nbytes[f]);
         }
         if (check && digest != le64(v + 16)) {
             status = FILL_DATA;
@@ -2092,6 +2230,7 @@ done:
 
 static PyMethodDef core_methods[] = {
     {"xxh3_64", (PyCFunction)(void (*)(void))py_xxh3_64, METH_FASTCALL, py_xxh3_64_doc},
+    {"xxh3_64_copy", (PyCFunction)(void (*)(void))py_xxh3_64_copy, METH_FASTCALL, py_xxh3_64_copy_doc},
     {"open_tree", py_open_tree, METH_VARARGS, py_open_tree_doc},
     {"newest_txnid", py_newest_txnid, METH_VARARGS, py_newest_txnid_doc},
     {"locate", py_locate, METH_VARARGS, py_locate_doc},
@@ -2133,6 +2272,7 @@ PyMODINIT_FUNC PyInit__core(void) {
     __builtin_cpu_init();
     if ((cap == NULL || strcmp(cap, "sse2") != 0) && __builtin_cpu_supports("avx2")) {
         xxh3_long_best = xxh3_long_avx2;
+        xxh3_long_copy_best = xxh3_long_copy_avx2;
         simd = "avx2";
     }
 #endif
