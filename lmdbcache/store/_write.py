@@ -149,6 +149,12 @@ class Writer:
             return self._queue.drain()
 
     @property
+    def unwritten_bytes(self) -> int:
+        """Bytes of samples queued or being written and not yet committed: what a flush still has to write."""
+        with self._lock:
+            return self._queue.unwritten_bytes()
+
+    @property
     def written(self) -> int:
         """Samples this process's commits have written (indices already present are not counted)."""
         return self._queue.written
