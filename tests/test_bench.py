@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
-from bench import run
+import pytest
+
+from bench import hash_copy, run
+from lmdbcache import _native
 
 
 def test_bench_runs_at_tiny_sizes_and_writes_its_three_files(tmp_path):
@@ -38,3 +41,15 @@ def test_bench_runs_at_tiny_sizes_and_writes_its_three_files(tmp_path):
     assert results["skipped"] == data["skipped"]
     for name in data["skipped"]:
         assert f"- {name}:" in text
+
+
+@pytest.mark.skipif(_native.core is None, reason="the compiled core is not built (or LMDBCACHE_PURE_PYTHON=1)")
+def test_hash_copy_runs_at_tiny_sizes(tmp_path, capsys):
+    """bench.hash_copy times its three variants (and another build's, with --so) and checks their digests first."""
+    hash_copy.main(
+        ["--n", "40", "--side", "16", "--reps", "2", "--root", str(tmp_path), "--so", f"again={_native.core.__file__}"]
+    )
+    lines = capsys.readouterr().out.splitlines()
+    names = [line.split("  ")[0] for line in lines[1:-1]]
+    assert names == ["copy only", "copy, then xxh3_64", "xxh3_64_copy", "xxh3_64_copy of again"], lines
+    assert all("/ copy only" in line for line in lines[1:-1])
