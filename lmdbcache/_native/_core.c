@@ -2072,7 +2072,7 @@ done:
         uint64_t digest = index;
         for (Py_ssize_t f = 0; f < nfields; f++) {
             uint8_t *row = (uint8_t *)out[f].buf + (uint64_t)j * nbytes[f];
-            if (check) digest = xxh3_64_copy(row, v + pos[f], nbytes[f], digest); /* over the copy: what the batch holds */
+            if (check) digest = xxh3_64_copy(row, v + pos[f], nbytes[f], digest); /* of the copy: the batch's */
             else memcpy(row, v + pos[f], nbytes[f]);
         }
         if (check && digest != le64(v + 16)) {
