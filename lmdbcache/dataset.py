@@ -98,10 +98,7 @@ class CachedDataset(Dataset[Any]):
         overwrite: empty the cache (or replace damaged LMDB files) and rebuild it. Happens
             once, here, never again in DataLoader workers.
         commit_every, commit_bytes, commit_interval: commit queued misses after this many
-            samples, bytes or seconds (also on ``flush()``, ``close()`` and at exit). A commit's
-            bytes are copied twice (the queued values, LMDB's dirty pages) and freed together:
-            the 2 MiB default keeps that memory reused instead of faulted in afresh each commit
-            (see docs/guarantees.md's Durability).
+            samples, bytes or seconds (also on ``flush()``, ``close()`` and at exit).
         checksum: what is verified on each read. Every read checks the value's structure
             (types, dtypes, shapes, lengths) and that it belongs to the index asked for.
             ``"once"`` (default) also verifies the data checksum the first time this process
@@ -143,7 +140,7 @@ class CachedDataset(Dataset[Any]):
         max_readers: int = 1024,
         overwrite: bool = False,
         commit_every: int = 4096,
-        commit_bytes: int = 2 << 20,
+        commit_bytes: int = 8 << 20,
         commit_interval: float = 1.0,
         checksum: str = "once",
         spot_check: int = 2,

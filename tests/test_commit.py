@@ -11,7 +11,6 @@ import threading
 import time
 
 import pytest
-import torch
 from helpers import Synthetic, assert_same, sample_for
 
 from lmdbcache import CachedDataset
@@ -177,36 +176,3 @@ def test_ctrl_c_twice_during_close_leaves_the_cache_usable(cache_dir):
     with CachedDataset.open(cache_dir) as again:
         assert again.cached_count == 100
         assert_same(again[5], sample_for(5))
-
-
-class _Large(torch.utils.data.Dataset):
-    """Samples of 0.9 MB (a speech sample's features), as the bench's `dict` workload."""
-
-    def __len__(self) -> int:
-        return 12
-
-    def __getitem__(self, i: int):
-        return {"features": torch.full((1, 80, 3000), float(i)), "text": f"utterance {i}"}
-
-
-def test_the_default_commit_batch_is_bounded_to_a_few_megabytes(cache_dir):
-    """With the default policy, a fill of 0.9 MB samples commits them a few at a time (`commit_bytes`, 2 MiB: one
-    value past it at most), so each commit's copies reuse the memory the last one freed; every sample is kept."""
-    ds = CachedDataset(_Large(), cache_dir, spot_check=0)
-    queue = ds._live_store().writer._queue
-    real_write, batches = queue._write, []
-
-    def counting_write(batch):
-        batches.append(sum(len(value) for _, value in batch))
-        return real_write(batch)
-
-    queue._write = counting_write
-    for i in range(len(ds)):
-        ds[i]
-    ds.flush()
-    assert sum(batches) > 12 * 960_000 and len(batches) >= 4
-    assert max(batches) < 2 * 2**20 + 1_000_000, batches
-    ds.close()
-    with CachedDataset.open(cache_dir) as again:
-        for i in range(len(again)):
-            assert again[i]["features"][0, 0, 0].item() == float(i) and again[i]["text"] == f"utterance {i}"

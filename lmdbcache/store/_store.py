@@ -91,7 +91,7 @@ class Store:
         map_size: int = 64 * MIB,
         max_readers: int = 1024,
         commit_every: int = 4096,
-        commit_bytes: int = 2 * MIB,
+        commit_bytes: int = 8 * MIB,
         commit_interval: float = 1.0,
         checksum: str = "once",
         sync: bool = False,
