@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import run
 
 
@@ -38,3 +40,14 @@ def test_bench_runs_at_tiny_sizes_and_writes_its_three_files(tmp_path):
     assert results["skipped"] == data["skipped"]
     for name in data["skipped"]:
         assert f"- {name}:" in text
+
+
+def test_bench_fill_counts_both_threads_of_a_fresh_first_epoch(tmp_path):
+    """bench.fill runs one fill per fresh process and reports the committer's share: its commits, CPU and faults."""
+    from bench import fill
+
+    result = fill.main(["--workload", "dict", "--n", "6", "--reps", "1", "--data", str(tmp_path)])
+    (row,) = result["rows"]
+    assert row["commits"] >= 1 and row["committer_cpu_us"] > 0 and row["main_cpu_us"] > 0
+    assert row["bare_us"] > 0 and row["fill_us"] > 0 and row["ratio"] == pytest.approx(row["bare_us"] / row["fill_us"])
+    assert row["main_faults"] >= 0 and row["committer_faults"] >= 0
