@@ -53,3 +53,14 @@ def test_hash_copy_runs_at_tiny_sizes(tmp_path, capsys):
     names = [line.split("  ")[0] for line in lines[1:-1]]
     assert names == ["copy only", "copy, then xxh3_64", "xxh3_64_copy", "xxh3_64_copy of again"], lines
     assert all("/ copy only" in line for line in lines[1:-1])
+
+
+def test_bench_fill_counts_both_threads_of_a_fresh_first_epoch(tmp_path):
+    """bench.fill runs one fill per fresh process and reports the committer's share: its commits, CPU and faults."""
+    from bench import fill
+
+    result = fill.main(["--workload", "dict", "--n", "6", "--reps", "1", "--data", str(tmp_path)])
+    (row,) = result["rows"]
+    assert row["commits"] >= 1 and row["committer_cpu_us"] > 0 and row["main_cpu_us"] > 0
+    assert row["bare_us"] > 0 and row["fill_us"] > 0 and row["ratio"] == pytest.approx(row["bare_us"] / row["fill_us"])
+    assert row["main_faults"] >= 0 and row["committer_faults"] >= 0
