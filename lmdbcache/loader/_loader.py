@@ -67,6 +67,7 @@ from __future__ import annotations
 import inspect
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -77,7 +78,7 @@ from ..errors import InvalidOptionError, LmdbCacheWarning
 from ._fused import Fused
 from ._fused import check as check_fused
 from ._gather import Layout
-from ._pass import InlinePass, Pass, PassSpec, Ring, current_stream_event, stamp
+from ._pass import InlinePass, Pass, PassSpec, Ring, Spare, current_stream_event, stamp
 from ._workers import WorkerPass
 from .augment import compile_plan
 
@@ -254,6 +255,8 @@ class Loader:
         self._ring = Ring(prefetch + 3, batch_size, memory)  # see the module docstring
         self._layouts: dict[bytes, Layout] = {}
         self._pass: Pass | WorkerPass | None = None
+        self._spare = Spare()  # the next epoch's pass, started early (augment=; see _pass.Spare)
+        weakref.finalize(self, self._spare.stop)
         self._small = False  # the last pass saw only batches copied from the map under _pass.INLINE bytes
         self._closed = False
         self._fused = None
@@ -315,6 +318,7 @@ class Loader:
         if type(epoch) is not int or epoch < 0:
             raise InvalidOptionError(f"epoch must be an int >= 0, not {epoch!r}.")
         self.epoch, self.delivered, self.samples = epoch, 0, 0
+        self._spare.keep(epoch)  # a pass started ahead for another epoch stops now, not at the next iter
 
     def state_dict(self) -> dict[str, Any]:
         """The position: {seed, epoch, batches} (the batches of ``epoch`` the consumer has received), ``samples``
@@ -420,8 +424,10 @@ class Loader:
             kind = WorkerPass
         elif self._small and self._fused is None and self.dataset.transform is None:
             kind = InlinePass  # the last pass's batches were all small copies: build them here (see InlinePass)
-        run = kind(self._spec(), epoch, batches, start)
-        self._pass = run
+        spare = self._spare.take(self._spec(), epoch, batches, start if kind is Pass else -1)  # if it fits exactly
+        run: Pass | WorkerPass = spare or kind(self._spec(), epoch, batches, start)
+        ahead = kind is Pass and self._fused is not None and self.sampler is None and self.batch_sampler is None
+        self._pass, spare, done = run, None, False
         record, slots = self.record_event, []
         try:
             for k in range(start, len(batches)):
@@ -431,16 +437,20 @@ class Loader:
                 batch, slots = item
                 del item
                 self.delivered, self.samples = k + 1, self.samples + len(batches[k])
+                if ahead and k == len(batches) - 1:  # the order of epoch + 1 is the loader's own: start it
+                    spare = self._spare.start(self._spec(), epoch + 1, self.batches(epoch + 1))
                 yield batch
                 # The consumer asks for the next batch: its device copies of this one are queued.
                 if record is not None and slots:
                     stamp(slots, record())
                 del batch
-            self.epoch, self.delivered, self.samples = epoch + 1, 0, 0
+            self.epoch, self.delivered, self.samples, done = epoch + 1, 0, 0, True
         finally:
             if record is not None and slots and slots[0].event is None:
                 stamp(slots, record())  # the last batch (or the one a break left): same rule
             run.stop()
+            if spare is not None and not done:  # a break, an exception or the collection at the last batch
+                self._spare.stop(only=spare)
             self._small = isinstance(run, Pass) and run.small and run.built > 0
             if self._pass is run:
                 self._pass = None
@@ -449,6 +459,7 @@ class Loader:
         """Stop the running pass and its threads. Idempotent."""
         self._closed = True
         run, self._pass = self._pass, None
+        self._spare.stop(close=True)  # and one a racing last batch starts from now on
         if run is not None:
             run.stop()
 

@@ -49,7 +49,18 @@ def _new_rng_lock() -> None:
 os.register_at_fork(after_in_child=_new_rng_lock)
 _U64 = (1 << 64) - 1
 
-__all__ = ["INLINE", "Pass", "Ring", "current_stream_event", "ended", "one_by_one", "stamp", "stray", "together"]
+__all__ = [
+    "INLINE",
+    "Pass",
+    "Ring",
+    "Spare",
+    "current_stream_event",
+    "ended",
+    "one_by_one",
+    "stamp",
+    "stray",
+    "together",
+]
 
 # A batch smaller than this is copied by the planner thread itself: its per-sample work holds
 # the GIL anyway, and the hand-off to the pool cost more than it saved (3x32x32, batch 64:
@@ -138,11 +149,14 @@ class PassSpec:
 class Pass:
     """One pass: the planner thread, the copy pool and the queue of finished batches."""
 
-    def __init__(self, spec: PassSpec, epoch: int, batches: list[list[int]], start: int) -> None:
+    def __init__(self, spec: PassSpec, epoch: int, batches: list[list[int]], start: int, held: bool = False) -> None:
         self.spec, self.epoch, self.batches, self.start = spec, epoch, batches, start
         self.ds = spec.dataset
         self.out: queue.Queue[Any] = queue.Queue(maxsize=spec.prefetch)
         self.stopping = threading.Event()
+        self.go = threading.Event()  # held (``Spare``): the planner builds the first batch, then waits for it
+        if not held:
+            self.go.set()
         self.replaced = False  # set by the Loader when a newer pass of it starts (see ``ended``)
         self.small, self.built = True, 0  # every batch built so far was copied from the map under INLINE bytes
         self.pool = ThreadPoolExecutor(spec.num_threads, thread_name_prefix="lmdbcache-copy")
@@ -166,6 +180,7 @@ class Pass:
 
     def stop(self) -> None:
         self.stopping.set()
+        self.go.set()  # a held planner wakes to see it
         while self.planner.is_alive():
             try:
                 while True:
@@ -192,6 +207,9 @@ class Pass:
             if not self._put(item) or isinstance(item, BaseException):
                 return
             del item
+            while not self.go.wait(0.1):  # a pass started ahead builds one batch until it is taken
+                if self.stopping.is_set():
+                    return
 
     def _build(self, k: int) -> Any:
         """Batch ``k`` and its ring slots, or the exception that building it raised (noted with where)."""
@@ -266,6 +284,76 @@ class Pass:
         for f in futures:
             samples += f.result()
         return default_collate(samples)
+
+
+class Spare:
+    """The next epoch's pass, started while the consumer holds the last batch of an epoch (``augment=`` loaders).
+
+    Without it an epoch's first batch is built only when ``iter`` asks for it, and a trainer waits that
+    long at every epoch start (an augmented batch of 64 takes milliseconds). The batches of epoch e + 1
+    are a pure function of the loader's own order, so its pass can start early: it builds the first batch
+    only (work done outside the epoch, and lost if no pass follows, stays one batch) until ``take`` hands it
+    to a pass asking for exactly what it builds: an equal ``PassSpec`` (seed, dataset, augmentation, threads,
+    everything a batch depends on), the same epoch and batches, from the first batch. Otherwise it is stopped.
+    One spare at a time, under a lock: a newer one stops the older, none starts after ``stop(close=True)``
+    (a ``close()`` racing the last batch from another thread). A forked child drops the spare it inherited
+    without stopping it: its threads live in the parent only (issue 26: the five bugs of its first version).
+    """
+
+    def __init__(self) -> None:
+        self.closed = False
+        self._owner()
+
+    def _owner(self) -> None:
+        # A fresh lock in each process: a child forked while another thread held it would wait forever.
+        self.pid, self.lock = os.getpid(), threading.Lock()
+        self.run: Pass | None = None
+
+    def _swap(self, run: Pass | None, only: Pass | None = None, close: bool = False) -> Pass | None:
+        """Put ``run`` in place of the spare (only if the spare is ``only``, when given); the one it replaced."""
+        if self.pid != os.getpid():
+            self._owner()  # the parent's pass: its threads do not exist here
+        with self.lock:
+            self.closed = self.closed or close
+            if only is not None and self.run is not only:
+                return None
+            if run is not None and self.closed:
+                return run  # closed meanwhile: the caller stops the new pass, none is kept
+            old, self.run = self.run, run
+        return old
+
+    def start(self, spec: PassSpec, epoch: int, batches: list[list[int]]) -> Pass | None:
+        """Start epoch ``epoch``'s pass (held after its first batch); the pass, or None after ``close``."""
+        if self.closed:
+            return None
+        run = Pass(spec, epoch, batches, 0, held=True)
+        old = self._swap(run)
+        if old is not None:
+            old.stop()
+        return None if old is run else run
+
+    def take(self, spec: PassSpec, epoch: int, batches: list[list[int]], start: int) -> Pass | None:
+        """The spare if it builds exactly these batches (it runs on at once), else None (it is stopped)."""
+        run = self._swap(None)
+        if run is None:
+            return None
+        if run.spec == spec and run.epoch == epoch and run.batches == batches and start == 0:
+            run.go.set()
+            return run
+        run.stop()
+        return None
+
+    def keep(self, epoch: int) -> None:
+        """Stop the spare now unless it is of ``epoch`` (the Loader's ``set_epoch``)."""
+        run = self.run
+        if run is not None and run.epoch != epoch:
+            self.stop(only=run)
+
+    def stop(self, only: Pass | None = None, close: bool = False) -> None:
+        """Stop the spare (only if it is ``only``: the pass the caller started); with ``close`` start none again."""
+        run = self._swap(None, only, close)
+        if run is not None:
+            run.stop()
 
 
 class InlinePass(Pass):
