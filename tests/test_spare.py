@@ -61,22 +61,32 @@ def test_a_pass_ahead_of_another_seed_is_not_taken(tmp_path, read_path):
     loader.close()
 
 
-def test_close_from_another_thread_racing_the_last_batch_leaves_no_thread(tmp_path, read_path):
-    """close() from another thread between the last batch's arrival and the start of the pass ahead: no pass
-    ahead starts after it, no thread is left."""
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_close_from_another_thread_racing_the_last_batch_leaves_no_thread(tmp_path, read_path, monkeypatch, when):
+    """close() from another thread between the last batch's arrival and the start of the pass ahead, or while
+    that pass is being started: no pass ahead is kept after it, no thread is left."""
     ds = cached(tmp_path / "c", n=24)
     loader = Loader(ds, 8, shuffle=True, seed=3, augment=STEPS)
-    real = loader.batches
+    real, begin = loader.batches, _pass.Pass._begin
+
+    def close_now() -> None:
+        closer = threading.Thread(target=loader.close)
+        closer.start()
+        closer.join()
 
     def racing(epoch: int) -> list[list[int]]:
-        if sys._getframe(1).f_code.co_name == "_run":  # the pass ahead's order: close() lands right here
-            closer = threading.Thread(target=loader.close)
-            closer.start()
-            closer.join()
+        if when == "before" and sys._getframe(1).f_code.co_name == "_run":  # the pass ahead's order
+            close_now()
         return real(epoch)
+
+    def racing_begin(self) -> None:
+        begin(self)
+        if when == "during" and not self.go.is_set():  # the pass ahead's threads run, Spare.start not done
+            close_now()
 
     before = ours()
     loader.batches = racing  # type: ignore[method-assign]
+    monkeypatch.setattr(_pass.Pass, "_begin", racing_begin)
     assert len(batches(loader)) == 3
     assert not settled(before)
     assert loader._spare.run is None
