@@ -232,10 +232,31 @@ CTRL_C_PHASES = {
 }  # fmt: skip
 
 
+def _last_commit_time(path: Path, proc: subprocess.Popen) -> float:
+    """Poll ``path`` (read-only) until ``proc`` exits; return when its last commit was first seen."""
+    seen, when = None, time.monotonic()
+    while True:
+        done = proc.poll() is not None
+        try:
+            with lmdb.open(str(path), max_dbs=2, readonly=True, lock=True) as env:
+                txnid = env.info()["last_txnid"]
+        except lmdb.Error:
+            txnid = seen
+        if txnid != seen:
+            seen, when = txnid, time.monotonic()
+        if done:
+            return when
+        time.sleep(0.01)
+
+
 @pytest.mark.parametrize("phase", list(CTRL_C_PHASES))
 def test_ctrl_c_exits_promptly_whatever_the_phase(cache_dir, phase):
     """A terminal's Ctrl-C (SIGINT to the whole process group) ends precompute within a second or so in every
-    phase (bound: 3 s), with the summary; its time covers the work, not the shutdown."""
+    phase (bound: 3 s after the last commit), with the summary; its time covers the work, not the shutdown.
+
+    The last commit writes what the workers had handed over (up to two commits' worth, 256 MB each by default),
+    so its own time is the disk's: it is timed apart (by watching the cache's last transaction id) and only
+    bounded loosely, so a slow shared disk does not pass for a slow shutdown, nor the other way round."""
     spec, args, count, delay = CTRL_C_PHASES[phase]
     started = time.monotonic()
     with cli("precompute", spec, str(cache_dir), *args, "--workers", "2", "--quiet", wait=False,
@@ -248,13 +269,16 @@ def test_ctrl_c_exits_promptly_whatever_the_phase(cache_dir, phase):
         time.sleep(delay)
         signalled = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
+        committed = max(_last_commit_time(cache_dir, proc), signalled)
+        exited = time.monotonic()
         out, err = proc.communicate(timeout=60)
-        took = time.monotonic() - signalled
     assert proc.returncode == 130 and "Traceback" not in err, err
-    assert took < 3.0, f"exited {took:.1f} s after Ctrl-C"
+    timing = f"the last commit {committed - signalled:.1f} s after Ctrl-C, the exit {exited - committed:.1f} s after it"
+    assert exited - committed < 3.0 and committed - signalled < 30.0, timing
     summary = re.fullmatch(r"Interrupted: kept (\d+) samples, .* in ([\d.]+) s .*", out.strip())
     assert summary is not None, out
-    assert float(summary.group(2)) < signalled - started + 1.0  # the last commit counts; the shutdown does not
+    # The last commit counts; the shutdown does not.
+    assert float(summary.group(2)) < committed - started + 1.0, f"{out.strip()}; {timing}"
 
 
 def _flip_in_file(path: Path, marker: bytes) -> None:
