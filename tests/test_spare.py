@@ -5,6 +5,7 @@ Each test guards one of the five bugs an attack found in its first version (issu
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import sys
 import threading
@@ -195,3 +196,28 @@ class _nothing:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def test_the_loaders_collection_in_its_pass_aheads_own_thread_stops_it(tmp_path, read_path, monkeypatch):
+    """A Loader in a reference cycle collected by a garbage collection that runs on its pass ahead's own planner
+    thread (any allocation can start one, in any thread) stops that pass without joining the thread it runs on:
+    no error, no thread left."""
+    ds = cached(tmp_path / "c", n=24)
+    calls, dropped, raised = [0], threading.Event(), []
+    monkeypatch.setattr(sys, "unraisablehook", lambda info: raised.append(info.exc_value))
+
+    def collect_on_the_spares_batch(batch):
+        calls[0] += 1
+        if calls[0] == 4:  # the 4th batch built: epoch 1's first, on the pass ahead's planner thread
+            assert dropped.wait(30)
+            gc.collect()
+        return batch
+
+    before = ours()
+    loader = Loader(ds, 8, shuffle=True, seed=3, augment=STEPS, batch_transform=collect_on_the_spares_batch)
+    loader.cycle = loader  # type: ignore[attr-defined]  # only the cyclic collector frees it
+    assert len(batches(loader)) == 3
+    del loader
+    dropped.set()
+    assert not settled(before)
+    assert calls[0] == 4 and not raised

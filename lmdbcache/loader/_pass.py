@@ -159,7 +159,8 @@ class Pass:
             self.go.set()
         self.replaced = False  # set by the Loader when a newer pass of it starts (see ``ended``)
         self.small, self.built = True, 0  # every batch built so far was copied from the map under INLINE bytes
-        self.pool = ThreadPoolExecutor(spec.num_threads, thread_name_prefix="lmdbcache-copy")
+        self.threads: set[int] = set()  # the pool's threads (see ``stop``)
+        self.pool = ThreadPoolExecutor(spec.num_threads, "lmdbcache-copy", _note_thread, (self.threads,))
         self._begin()
 
     def _begin(self) -> None:
@@ -181,6 +182,9 @@ class Pass:
     def stop(self) -> None:
         self.stopping.set()
         self.go.set()  # a held planner wakes to see it
+        if self._inside():  # they end on their own: stopping is set
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            return
         while self.planner.is_alive():
             try:
                 while True:
@@ -189,6 +193,12 @@ class Pass:
                 pass
             self.planner.join(0.05)
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def _inside(self) -> bool:
+        """Called on one of this pass's own threads, which cannot join themselves: the Loader's collection (and
+        so ``stop``) can run on any thread, its pass ahead's planner included, when it sits in a reference cycle."""
+        me = threading.current_thread()
+        return me is getattr(self, "planner", None) or me.ident in self.threads
 
     def _put(self, item: Any) -> bool:
         while not self.stopping.is_set():
@@ -326,7 +336,10 @@ class Spare:
         """Start epoch ``epoch``'s pass (held after its first batch); the pass, or None after ``close``."""
         if self.closed:
             return None
-        run = Pass(spec, epoch, batches, 0, held=True)
+        try:
+            run = Pass(spec, epoch, batches, 0, held=True)
+        except RuntimeError:  # no thread can start (the interpreter's shutdown): the next epoch starts its own pass
+            return None
         old = self._swap(run)
         if old is not None:
             old.stop()
@@ -378,7 +391,11 @@ class InlinePass(Pass):
 
     def stop(self) -> None:
         self.stopping.set()
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pool.shutdown(wait=not self._inside(), cancel_futures=True)
+
+
+def _note_thread(threads: set[int]) -> None:
+    threads.add(threading.get_ident())
 
 
 def ended(replaced: bool) -> RuntimeError:
