@@ -158,6 +158,7 @@ class Pass:
         if not held:
             self.go.set()
         self.replaced = False  # set by the Loader when a newer pass of it starts (see ``ended``)
+        self.key: tuple[Any, ...] = ()  # ``Spare``: what the Loader made ``batches`` of
         self.small, self.built = True, 0  # every batch built so far was copied from the map under INLINE bytes
         self.threads: set[int] = set()  # the pool's threads (see ``stop``)
         self.pool = ThreadPoolExecutor(spec.num_threads, "lmdbcache-copy", _note_thread, (self.threads,))
@@ -332,14 +333,16 @@ class Spare:
             old, self.run = self.run, run
         return old
 
-    def start(self, spec: PassSpec, epoch: int, batches: list[list[int]]) -> Pass | None:
-        """Start epoch ``epoch``'s pass (held after its first batch); the pass, or None after ``close``."""
+    def start(self, spec: PassSpec, epoch: int, batches: list[list[int]], key: tuple[Any, ...]) -> Pass | None:
+        """Start epoch ``epoch``'s pass (held after its first batch); the pass, or None after ``close``. ``key``:
+        what the Loader made ``batches`` of (its epoch, seed, order options), for ``batches``."""
         if self.closed:
             return None
         try:
             run = Pass(spec, epoch, batches, 0, held=True)
         except RuntimeError:  # no thread can start (the interpreter's shutdown): the next epoch starts its own pass
             return None
+        run.key = key
         old = self._swap(run)
         if old is not None:
             old.stop()
@@ -350,11 +353,16 @@ class Spare:
         run = self._swap(None)
         if run is None:
             return None
-        if run.spec == spec and run.epoch == epoch and run.batches == batches and start == 0:
+        if run.spec == spec and run.epoch == epoch and (run.batches is batches or run.batches == batches) and not start:
             run.go.set()
             return run
         run.stop()
         return None
+
+    def batches(self, key: tuple[Any, ...]) -> list[list[int]] | None:
+        """The spare's batches if the Loader made them of ``key``: ``iter`` need not build them again."""
+        run = self.run
+        return run.batches if run is not None and run.key == key and self.pid == os.getpid() else None
 
     def keep(self, epoch: int) -> None:
         """Stop the spare now unless it is of ``epoch`` (the Loader's ``set_epoch``)."""
