@@ -192,3 +192,29 @@ def test_precompute_resumes_a_grouped_lazy_fill(cache_dir):
     _registry._stores.clear()
     assert sorted(assert_nothing_orphaned(cache_dir)) == list(range(n))
     check_cache(cache_dir, n)
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_ctrl_c_says_what_it_still_writes(cache_dir, monkeypatch, capsys, quiet):
+    """After Ctrl-C precompute writes what the workers handed over (up to two 256 MB commits' worth, seconds on a
+    slow disk), and on a terminal it says so, with the amount, so the Ctrl-C does not seem to go unheard."""
+    import sys
+
+    from lmdbcache.format.codec import encode
+    from lmdbcache.tools import _precompute
+
+    source = Synthetic(40)
+    run = _precompute._Run.open(str(cache_dir), source, 40, None, False, 1 << 30, 10**9, 1 << 30)
+    values = [encode(source[i], i) for i in range(40)]
+    for i, value in enumerate(values):
+        run.store.add(i, value, build=run.build, policy=run.policy)
+    assert run.store.writer.unwritten_bytes == sum(map(len, values))
+    monkeypatch.setattr(_precompute, "_SAY_WRITING", sum(map(len, values)))
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    run.final_commit(quiet)
+    said = capsys.readouterr().err
+    mb = f"{sum(map(len, values)) / 2**20:,.0f} MB"
+    assert said == ("" if quiet else f"Interrupted: writing the {mb} decoded so far before stopping (a second "
+                                     "Ctrl-C does not stop this)...\n")  # fmt: skip
+    assert run.store.writer.unwritten_bytes == 0 and run.written == 40
+    check_cache(cache_dir, 40)

@@ -36,7 +36,10 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-__all__ = ["MAGIC", "MAX_GROUP", "POINTER_SIZE", "PREFIX", "SMALL", "build", "id_of", "key", "plan", "pointer", "span"]
+__all__ = [
+    "MAGIC", "MAX_GROUP", "POINTER_SIZE", "PREFIX", "SMALL",
+    "build", "id_of", "index_key", "key", "plan", "pointer", "span", "unpack_index",
+]  # fmt: skip
 
 MAGIC = b"LMGP"
 # Bytes: a value this large or larger is stored alone, as before (its overflow pages waste under 4 KiB,
@@ -49,7 +52,10 @@ SMALL = 16384
 MAX_GROUP = 256 << 10
 PREFIX = b"\xffG"
 _KEY = struct.Struct(">2sQ")
-_INDEX_KEY = struct.Struct(">Q").pack
+_INDEX = struct.Struct(">Q")
+# An index's own key: the index as 8 bytes big-endian, so keys sort in index order (one definition for all).
+index_key = _INDEX.pack
+unpack_index = _INDEX.unpack  # (index,) of an index key
 _POINTER = struct.Struct("<4sQII")
 POINTER_SIZE = _POINTER.size  # 20
 KEY_SIZE = _KEY.size  # 10
@@ -121,7 +127,7 @@ def plan(
     """
     smalls = [(i, v) for i, v in batch if len(v) < small]
     lone = len(smalls) < 2
-    singles = [(_INDEX_KEY(i), v) for i, v in batch if lone or len(v) >= small]
+    singles = [(index_key(i), v) for i, v in batch if lone or len(v) >= small]
     groups, group, at = [], first, 0
     while not lone and at < len(smalls):
         end, size = at, 0
@@ -129,7 +135,7 @@ def plan(
             size += len(smalls[end][1]) + 8
             end += 1
         record, spans = build([v for _, v in smalls[at:end]])
-        pointers = [(_INDEX_KEY(i), pointer(group, o, n)) for (i, _), (o, n) in zip(smalls[at:end], spans)]
+        pointers = [(index_key(i), pointer(group, o, n)) for (i, _), (o, n) in zip(smalls[at:end], spans)]
         groups.append((key(group), record, pointers))
         group, at = group + 1, end
     return singles, groups

@@ -106,6 +106,10 @@ class CommitQueue:
         """A batch is being written right now (by the thread, or by a caller's put_many)."""
         return self._busy
 
+    def unwritten_bytes(self) -> int:
+        """Bytes queued or in flight: what a drain still has to write."""
+        return self.pending_bytes + sum(len(value) for value in self.inflight.values())
+
     def lookup(self, index: int) -> bytes | None:
         value = self.pending.get(index)
         return self.inflight.get(index) if value is None else value

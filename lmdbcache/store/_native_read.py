@@ -19,7 +19,6 @@ the batch as before (no map address known here, or the snapshot kept moving).
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -31,6 +30,7 @@ from ..errors import CorruptCacheError, CorruptSampleError, LmdbCacheError
 from ..format import _encode, _pack
 from ..format._decode import NATIVE_PLANS
 from ..format._decode import decode as _decode
+from ..format._group import index_key
 from ._groups import deref
 from ._guard import PREFETCH_MIN
 from ._handle import Handle
@@ -38,7 +38,6 @@ from ._lmdb_errors import REBUILD
 
 __all__ = ["MISSING", "copy_native", "decode_new", "native_lookup", "native_spans", "native_tree"]
 
-_index_key = struct.Struct(">Q").pack  # an index's key
 MISSING: Any = type("Missing", (), {"__repr__": lambda self: "MISSING"})()
 if _native.core is not None:
     _native.core.set_plans(NATIVE_PLANS)  # the flat plans Tree.sample decodes with (the decoder fills them)
@@ -239,7 +238,7 @@ def _group_error(r: Hits, index: int, tree: tuple[Any, ...] | None) -> LmdbCache
     txn = tree[0] if tree is not None else None
     try:
         if txn is not None:
-            deref(h, txn, txn.get(_index_key(index), db=h._samples), index, None)
+            deref(h, txn, txn.get(index_key(index), db=h._samples), index, None)
     except CorruptSampleError as exc:
         return exc
     except lmdb.Error:

@@ -42,6 +42,7 @@ import lmdb
 from .. import _native
 from ..errors import CorruptCacheError, CorruptSampleError, LmdbCacheError
 from ..format import _group, _pack, codec
+from ..format._group import index_key
 from ._groups import deref as _deref
 from ._guard import PREFETCH_MIN
 from ._handle import Handle
@@ -51,8 +52,6 @@ from ._native_read import MISSING, copied, copy_native, native_lookup, native_sp
 __all__ = ["MISSING", "Reader"]
 
 
-_KEY = struct.Struct(">Q").pack
-_UNKEY = struct.Struct(">Q").unpack
 _PKEY = _pack.key
 _TAG = _pack.TAG
 _span = _pack.span
@@ -159,9 +158,9 @@ class Reader:
                     if mark != 1:
                         raw = self._large(txn, index)
                     elif not (pack := self._h._pack):
-                        raw = txn.get(_KEY(index))
+                        raw = txn.get(index_key(index))
                     elif (whole := self._pack_of(txn, first := index - index % pack, index)) is None:
-                        raw = txn.get(_KEY(index))  # this index's chunk is not packed
+                        raw = txn.get(index_key(index))  # this index's chunk is not packed
                     elif len(whole) >= 8 + 8 * pack:  # its span, checked here before: decode catches a changed one
                         at, end = _pair(whole, 8 + 8 * (index - first))
                         raw = whole[at:end] if 8 < at < end else self._slice(whole, index, first)
@@ -210,7 +209,7 @@ class Reader:
         raw = self._packed(txn, index)
         if raw is not None:
             return raw
-        raw = self._record(txn, _KEY(index), index)
+        raw = self._record(txn, index_key(index), index)
         try:
             return _deref(self._h, txn, raw, index, self._groups if txn is self._rtxn else None)
         except lmdb.Error as exc:
@@ -241,7 +240,7 @@ class Reader:
     def _small(self, txn: lmdb.Transaction, index: int) -> Any:
         """A verified small value: from its chunk's pack if there is one, else its single record."""
         raw = self._packed(txn, index)
-        return raw if raw is not None else txn.get(_KEY(index))
+        return raw if raw is not None else txn.get(index_key(index))
 
     def _pack_of(self, txn: lmdb.Transaction, first: int, index: int) -> Any:
         """The pack of the chunk starting at ``first`` in ``txn``, or None; ``index`` (in it) names it in errors.
@@ -307,10 +306,10 @@ class Reader:
         start = _clock()
         guard = self._h._guard
         if self._cold_left <= 0 or guard is None or not guard.start:
-            raw = txn.get(_KEY(index))
+            raw = txn.get(index_key(index))
         else:
             cursor = txn.cursor()
-            if not cursor.set_key(_KEY(index)):
+            if not cursor.set_key(index_key(index)):
                 return None
             guard.prefetch(cursor.key())
             raw = cursor.value()

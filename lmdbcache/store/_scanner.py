@@ -12,7 +12,6 @@ so a scan ends where they begin, and a pointer that lies is a ``CorruptCacheErro
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -20,14 +19,13 @@ import lmdb
 
 from ..errors import CorruptCacheError, CorruptSampleError
 from ..format import _group, _pack
+from ..format._group import index_key, unpack_index
 from ._groups import deref
 from ._handle import Handle
 from ._lmdb_errors import REBUILD, translate
 
 __all__ = ["Scanner"]
 
-_KEY = struct.Struct(">Q").pack
-_UNKEY = struct.Struct(">Q").unpack
 _FIRST_KEY = bytes(8)  # index 0's key: every key of a sound cache sorts at or after it
 
 
@@ -55,12 +53,12 @@ class Scanner:
                 try:
                     cursor = txn.cursor()
                     for start in starts:
-                        if cursor.set_range(_KEY(start)) or cursor.first():
+                        if cursor.set_range(index_key(start)) or cursor.first():
                             key = cursor.key()
                             if len(key) != 8 and cursor.first():  # past the last index: the groups' keys
                                 key = cursor.key()
-                            if len(key) == 8 and _UNKEY(key)[0] not in found:
-                                found.append(_UNKEY(key)[0])
+                            if len(key) == 8 and unpack_index(key)[0] not in found:
+                                found.append(unpack_index(key)[0])
                 except lmdb.Error as exc:
                     raise translate(exc, self._h.path, "reading") from exc
         return found
@@ -83,14 +81,14 @@ class Scanner:
             end = False
             with self._h._lock, self._h._begin_checked(self._h._env or self._h._env_or_open()) as txn:
                 pack = self._h._pack  # the adopted build's (known once the environment is open)
-                key = _KEY(start - start % pack if pack else start)
+                key = index_key(start - start % pack if pack else start)
                 groups: dict[int, Any] = {}  # the groups seen in this transaction (views), by id
                 try:
                     cursor = txn.cursor(db=self._h._samples)
                     covered, single = -1, -1  # the end of the last pack seen, the last single index seen
                     for k in cursor.iternext(values=False) if cursor.set_range(key) else ():
                         if len(k) == 8:
-                            index = single = _UNKEY(k)[0]
+                            index = single = unpack_index(k)[0]
                             if index < covered:
                                 raise CorruptCacheError(self._twice(index, covered))
                             if index >= start:

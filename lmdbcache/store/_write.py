@@ -25,7 +25,6 @@ and an index another process stored first adds no byte to the group (the first c
 from __future__ import annotations
 
 import os
-import struct
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -35,6 +34,7 @@ import lmdb
 from .. import _native
 from ..errors import CacheMismatchError, CorruptCacheError, LmdbCacheError, ReadOnlyCacheError
 from ..format import _group, _pack
+from ..format._group import index_key
 from . import _fs, _metadata
 from ._commit import CommitQueue, Policy
 from ._env import grown_size
@@ -45,7 +45,6 @@ from ._signals import interrupts_held
 
 __all__ = ["Writer", "sync_and_clear"]
 
-_KEY = struct.Struct(">Q").pack
 _PKEY = _pack.key
 _TAG = _pack.TAG
 _group_batch = _native.core.group_batch if _native.core is not None else None  # _group.plan in one call
@@ -150,6 +149,12 @@ class Writer:
             return self._queue.drain()
 
     @property
+    def unwritten_bytes(self) -> int:
+        """Bytes of samples queued or being written and not yet committed: what a flush still has to write."""
+        with self._lock:
+            return self._queue.unwritten_bytes()
+
+    @property
     def written(self) -> int:
         """Samples this process's commits have written (indices already present are not counted)."""
         return self._queue.written
@@ -226,7 +231,7 @@ class Writer:
             self._check_cache_id(txn)
             db, pack, deleted = self._h._samples, self._h._pack, 0
             for k in sorted(wanted):
-                if txn.delete(_KEY(k), db=db):
+                if txn.delete(index_key(k), db=db):
                     deleted += 1
                 elif pack and (whole := txn.get(_PKEY(first := k - k % pack, _TAG), db=db)) is not None:
                     n = min(pack, self._h._length - first)
@@ -237,7 +242,7 @@ class Writer:
                         if index in wanted or broken:
                             deleted += index in wanted
                             continue
-                        txn.put(_KEY(index), _pack.value(whole, index - first, n), db=db)
+                        txn.put(index_key(index), _pack.value(whole, index - first, n), db=db)
         self._h.commits += 1
         return deleted
 
@@ -257,7 +262,7 @@ class Writer:
         cursor = txn.cursor(db=db)
         if not hopeful:
             get = txn.get
-            batch = [(i, v) for i, v in batch if len(v) >= small_size or get(_KEY(i), db=db) is None]
+            batch = [(i, v) for i, v in batch if len(v) >= small_size or get(index_key(i), db=db) is None]
         first = self._next_group(txn)
         planned = _group_batch(batch, small_size, first, _group.MAX_GROUP) if _group_batch is not None else None
         singles, groups = planned or _group.plan(batch, small_size, first, _group.MAX_GROUP)
@@ -303,7 +308,7 @@ class Writer:
             present: dict[int, bytes] = {}
             complete = first < end and all(len(v) < _pack.SMALL for v in group.values())
             for index in range(first, end) if complete else ():
-                old = get(_KEY(index), db=db)
+                old = get(index_key(index), db=db)
                 if old is not None:
                     present[index] = bytes(old)  # copied: a write in this transaction may move it
                 elif index not in group:
@@ -313,14 +318,14 @@ class Writer:
                 values = [present[i] if i in present else group[i] for i in range(first, end)]
                 put(_PKEY(first, _TAG), _pack.build(values), db=db)
                 for index in present:
-                    delete(_KEY(index), db=db)
+                    delete(index_key(index), db=db)
                 written += sum(1 for i in group if i not in present and i < end)
                 for index, value in group.items():  # past the dataset's end: no chunk holds them
                     if index >= end:
-                        written += put(_KEY(index), value, db=db, overwrite=False)
+                        written += put(index_key(index), value, db=db, overwrite=False)
             else:
                 for index, value in group.items():
-                    written += put(_KEY(index), value, db=db, overwrite=False)
+                    written += put(index_key(index), value, db=db, overwrite=False)
         return written
 
     def sync_file(self) -> None:

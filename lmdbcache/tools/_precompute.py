@@ -48,6 +48,9 @@ from ._progress import note, progress_bar
 # most about a second of work (plus what the workers had decoded but not handed over).
 _COMMIT_INTERVAL = 1.0
 _DEFAULT_PACK = 64  # pack=None: a new cache packs chunks of this many small samples
+# Ctrl-C with this much decoded and not yet committed says that it is writing it (two commits' worth, 256 MB
+# each by default, take seconds on a slow disk, and the Ctrl-C would otherwise seem to go unheard).
+_SAY_WRITING = 32 << 20
 
 __all__ = ["NondeterministicDatasetError", "PrecomputeResult", "SourceItemError", "precompute", "shard_indices"]
 
@@ -305,10 +308,14 @@ class _Run:
         self.store.flush()
         self.stopped = time.perf_counter()
 
-    def final_commit(self) -> None:
+    def final_commit(self, quiet: bool) -> None:
         """``commit`` after Ctrl-C: a second Ctrl-C must not abort it."""
         if self.stopped is None:
             with interrupts_ignored():
+                unwritten = self.store.writer.unwritten_bytes
+                if unwritten >= _SAY_WRITING:
+                    note(f"Interrupted: writing the {unwritten / 2**20:,.0f} MB decoded so far before stopping "
+                         "(a second Ctrl-C does not stop this)...", quiet)  # fmt: skip
                 self.commit()
 
 
@@ -341,7 +348,7 @@ def _fill(
             todo = todo[check:]
         _write_all(run, dataset, todo, workers, batch_size, progress)
     except KeyboardInterrupt:
-        run.final_commit()
+        run.final_commit(progress is False)
         return True
     return False
 
@@ -390,7 +397,7 @@ def _write_all(run: _Run, dataset: Any, todo: list[int], workers: int, batch_siz
             batches = iter(loader)
         _queue_all(run, batches, bar)
     except KeyboardInterrupt:
-        run.final_commit()  # before the workers go: what they handed over is kept
+        run.final_commit(progress is False)  # before the workers go: what they handed over is kept
         raise
     finally:
         bar.close()
