@@ -172,3 +172,37 @@ def test_ctrl_c_at_the_last_batch_stops_the_pass_ahead(tmp_path, read_path):
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "[]\nTrue\n", "")
 
+
+
+def _error_of(loader) -> tuple[str, str, list[str]]:
+    with pytest.raises(Exception) as info:  # noqa: PT011  # whatever it is, both loaders must raise the same
+        for _ in loader:
+            pass
+    return type(info.value).__name__, str(info.value), list(getattr(info.value, "__notes__", []))
+
+
+def test_a_damaged_sample_in_the_next_epochs_first_batch_raises_as_without_a_pass_ahead(tmp_path, read_path):
+    """A damaged value first met by the pass ahead (rank 0 of 2: not in its epoch 0): the next epoch raises the
+    error a Loader without a pass ahead raises there, at its first batch, every time it is iterated."""
+    from test_loader import damage
+
+    kw = {"shuffle": True, "seed": 3, "augment": STEPS, "rank": 0, "world_size": 2}
+    ds = cached(tmp_path / "c", n=24)
+    probe = Loader(ds, 8, **kw)
+    seen = {i for b in probe.batches(0) for i in b}
+    k = next(i for i in probe.batches(1)[0] if i not in seen)
+    probe.close()
+    ds.close()
+    damage(tmp_path / "c", k, 10)
+    ds = CachedDataset.open(str(tmp_path / "c"))
+    loader = Loader(ds, 8, **kw)
+    assert len(batches(loader)) == 2
+    time.sleep(0.2)  # the pass ahead met the damaged value
+    control = Loader(ds, 8, **kw)
+    control.set_epoch(1)
+    want = _error_of(control)
+    assert want[0] == "CorruptSampleError", want
+    assert _error_of(loader) == want
+    assert _error_of(loader) == _error_of(control)  # the next try raises it again, like the control's
+    loader.close()
+    control.close()
