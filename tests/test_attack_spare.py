@@ -5,6 +5,7 @@ that had a pass ahead with one that had none (a fresh Loader at the same seed an
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -206,3 +207,35 @@ def test_a_damaged_sample_in_the_next_epochs_first_batch_raises_as_without_a_pas
     assert _error_of(loader) == _error_of(control)  # the next try raises it again, like the control's
     loader.close()
     control.close()
+
+
+def test_ctrl_c_while_the_pass_ahead_is_being_started_leaves_no_thread(tmp_path, read_path, monkeypatch):
+    """A real SIGINT landing between the pass ahead's creation and its registration (Spare.start, at the
+    epoch's last batch): KeyboardInterrupt, and no planner or copy thread left behind, not even after close()."""
+    from lmdbcache.loader import _pass
+
+    ds = cached(tmp_path / "c", n=24)
+    loader = Loader(ds, 8, shuffle=True, seed=3, augment=STEPS)
+    before = ours()
+    created: list = []
+    swap = _pass.Spare._swap
+
+    def interrupted(self, run, *args, **kw):
+        if run is not None and not created:  # Spare.start: the pass ahead exists, its threads run
+            created.append(run)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises KeyboardInterrupt here, in the consumer's thread
+        return swap(self, run, *args, **kw)
+
+    monkeypatch.setattr(_pass.Spare, "_swap", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            for _ in loader:
+                pass
+        assert created
+        loader.close()
+        assert settled(before) == set()  # on spare: the pass ahead's planner (held for ever) and copy threads
+    finally:
+        for run in created:
+            run.stop()
+        loader.close()
