@@ -239,3 +239,30 @@ def test_ctrl_c_while_the_pass_ahead_is_being_started_leaves_no_thread(tmp_path,
         for run in created:
             run.stop()
         loader.close()
+
+
+def test_ctrl_c_right_after_the_pass_ahead_started_stops_it(tmp_path, read_path, monkeypatch):
+    """A real SIGINT landing just after Spare.start returned (before _run holds the pass it started): the
+    KeyboardInterrupt at the last batch still stops the pass ahead, as a break or an exception there does."""
+    from lmdbcache.loader import _pass
+
+    ds = cached(tmp_path / "c", n=24)
+    loader = Loader(ds, 8, shuffle=True, seed=3, augment=STEPS)
+    before = ours()
+    start = _pass.Spare.start
+
+    def interrupted(self, *args, **kw):
+        run = start(self, *args, **kw)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)  # the handler raises KeyboardInterrupt here, in the consumer's thread
+        return run
+
+    monkeypatch.setattr(_pass.Spare, "start", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            for _ in loader:
+                pass
+        assert settled(before) == set()  # on spare: the pass ahead lives on until close()
+        assert loader._spare.run is None
+    finally:
+        loader.close()
