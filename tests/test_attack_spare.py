@@ -8,11 +8,9 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
-import torch
 from test_augment import Images, batches, cached
 from test_spare import STEPS, fresh, ours, same, settled
 
@@ -124,6 +122,13 @@ for epoch in range({epochs}):
 """
 
 
+def _env(read_path: str) -> dict[str, str]:
+    """The child's environment: this worktree's code, on the path ``read_path`` names."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("LMDBCACHE_PURE_PYTHON", None)
+    return {**env, "LMDBCACHE_PURE_PYTHON": "1"} if read_path == "python" else env
+
+
 def _script(tmp_path, name: str, epochs: int) -> list[str]:
     code = SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"), path=str(tmp_path / name), epochs=epochs)
     return [sys.executable, "-X", "faulthandler", "-c", code]
@@ -132,7 +137,7 @@ def _script(tmp_path, name: str, epochs: int) -> list[str]:
 def test_a_script_that_just_ends_with_a_pass_ahead_exits_cleanly(tmp_path, read_path):
     """A script that iterates 1 to 3 epochs and ends, a pass ahead running: rc 0, nothing on stderr, no hang
     (20 runs)."""
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = _env(read_path)
     for run in range(20):
         proc = subprocess.run(
             _script(tmp_path, f"c{run % 3}", 1 + run % 3), env=env, capture_output=True, text=True, timeout=60
@@ -169,14 +174,13 @@ print(loader._spare.run is None)
 def test_ctrl_c_at_the_last_batch_stops_the_pass_ahead(tmp_path, read_path):
     """A real SIGINT while the consumer holds an epoch's last batch: KeyboardInterrupt, no thread left."""
     code = SIGINT_SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"), path=str(tmp_path / "c"))
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = _env(read_path)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "[]\nTrue\n", "")
 
 
-
 def _error_of(loader) -> tuple[str, str, list[str]]:
-    with pytest.raises(Exception) as info:  # noqa: PT011  # whatever it is, both loaders must raise the same
+    with pytest.raises(Exception) as info:  # whatever it is, both loaders must raise the same
         for _ in loader:
             pass
     return type(info.value).__name__, str(info.value), list(getattr(info.value, "__notes__", []))
