@@ -1,4 +1,4 @@
-"""The next epoch's pass built ahead (``loader/_pass.Spare``): taken only when it fits, never a leaked thread.
+"""The next epoch's pass built ahead (``loader/_spare.Spare``): taken only when it fits, never a leaked thread.
 
 Each test guards one of the five bugs an attack found in its first version (issue 26).
 """

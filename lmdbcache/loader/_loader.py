@@ -8,7 +8,7 @@ straight into the batch tensors (``_gather``: large copies release the GIL). A b
 ``prefetch`` finished batches wait in a queue. The threads live for one pass: a pass that
 ends (exhausted, ``break``, an exception, KeyboardInterrupt, ``close()``) joins them. One
 exception: when an ``augment=`` loader (its own order) hands out an epoch's last batch, the next
-epoch's pass starts and builds that epoch's first batch (``_pass.Spare``); it lives on only if
+epoch's pass starts and builds that epoch's first batch (``_spare.Spare``); it lives on only if
 the epoch then ends normally, until the next ``iter`` takes it or ``close()``, ``set_epoch`` to
 another epoch or the Loader's collection stops it (docs/guarantees.md). When a
 pass saw only such small batches copied from the map, the Loader's next pass has no planner:
@@ -83,7 +83,8 @@ from ._fused import Fused
 from ._fused import check as check_fused
 from ._gather import Layout
 from ._order import epoch_of, world_of
-from ._pass import InlinePass, Pass, PassSpec, Ring, Spare, current_stream_event, stamp
+from ._pass import InlinePass, Pass, PassSpec, Ring, current_stream_event, stamp
+from ._spare import Spare
 from ._workers import WorkerPass
 from .augment import compile_plan
 
@@ -243,7 +244,7 @@ class Loader:
         self._ring = Ring(prefetch + 3, batch_size, memory)  # see the module docstring
         self._layouts: dict[bytes, Layout] = {}
         self._pass: Pass | WorkerPass | None = None
-        self._spare = Spare()  # the next epoch's pass, started early (augment=; see _pass.Spare)
+        self._spare = Spare()  # the next epoch's pass, started early (augment=; see _spare.Spare)
         weakref.finalize(self, self._spare.stop)
         self._small = False  # the last pass saw only batches copied from the map under _pass.INLINE bytes
         self._closed = False
@@ -393,7 +394,7 @@ class Loader:
 
     def _batches(self, epoch: int) -> tuple[list[list[int]], tuple[Any, ...]]:
         """``batches(epoch)`` and what they are made of: the pass ahead's list is reused when it is the same (an
-        ImageNet order takes 0.15 s to build and 0.05 s to compare; _pass.Spare)."""
+        ImageNet order takes 0.15 s to build and 0.05 s to compare; _spare.Spare)."""
         key = (epoch, self.seed, self.world, len(self.dataset), *self._order_kind().values())
         return self._spare.batches(key) or self.batches(epoch), key
 
@@ -421,7 +422,7 @@ class Loader:
         spare = self._spare.take(self._spec(), epoch, batches, start if kind is Pass else -1)  # if it fits exactly
         run: Pass | WorkerPass = spare or kind(self._spec(), epoch, batches, start)
         ahead = kind is Pass and self._fused is not None and self.sampler is None and self.batch_sampler is None
-        self._pass, spare, done = run, None, False
+        self._pass, done = run, False
         record, slots = self.record_event, []
         try:
             for k in range(start, len(batches)):
@@ -432,7 +433,7 @@ class Loader:
                 del item
                 self.delivered, self.samples = k + 1, self.samples + len(batches[k])
                 if ahead and k == len(batches) - 1:  # the order of epoch + 1 is the loader's own: start it
-                    spare = self._spare.start(self._spec(), epoch + 1, *self._batches(epoch + 1))
+                    self._spare.start(run, self._spec(), epoch + 1, *self._batches(epoch + 1))
                 yield batch
                 # The consumer asks for the next batch: its device copies of this one are queued.
                 if record is not None and slots:
@@ -443,8 +444,8 @@ class Loader:
             if record is not None and slots and slots[0].event is None:
                 stamp(slots, record())  # the last batch (or the one a break left): same rule
             run.stop()
-            if spare is not None and not done:  # a break, an exception or the collection at the last batch
-                self._spare.stop(only=spare)
+            if ahead and not done:  # a break, an exception or the collection at the last batch
+                self._spare.stop(owner=run)
             self._small = isinstance(run, Pass) and run.small and run.built > 0
             if self._pass is run:
                 self._pass = None

@@ -53,7 +53,6 @@ __all__ = [
     "INLINE",
     "Pass",
     "Ring",
-    "Spare",
     "current_stream_event",
     "ended",
     "one_by_one",
@@ -162,7 +161,9 @@ class Pass:
         self.small, self.built = True, 0  # every batch built so far was copied from the map under INLINE bytes
         self.threads: set[int] = set()  # the pool's threads (see ``stop``)
         self.pool = ThreadPoolExecutor(spec.num_threads, "lmdbcache-copy", _note_thread, (self.threads,))
-        self._begin()
+        self.owner: Any = None  # ``Spare``: the pass that started this one ahead; held: its owner begins it
+        if not held:
+            self._begin()
 
     def _begin(self) -> None:
         self.planner = threading.Thread(target=self._plan, name="lmdbcache-planner", daemon=True)
@@ -183,6 +184,9 @@ class Pass:
     def stop(self) -> None:
         self.stopping.set()
         self.go.set()  # a held planner wakes to see it
+        if not hasattr(self, "planner"):  # held, never begun (Spare.start): no thread to join
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            return
         if self._inside():  # they end on their own: stopping is set
             self.pool.shutdown(wait=False, cancel_futures=True)
             return
@@ -295,86 +299,6 @@ class Pass:
         for f in futures:
             samples += f.result()
         return default_collate(samples)
-
-
-class Spare:
-    """The next epoch's pass, started while the consumer holds the last batch of an epoch (``augment=`` loaders).
-
-    Without it an epoch's first batch is built only when ``iter`` asks for it, and a trainer waits that
-    long at every epoch start (an augmented batch of 64 takes milliseconds). The batches of epoch e + 1
-    are a pure function of the loader's own order, so its pass can start early: it builds the first batch
-    only (work done outside the epoch, and lost if no pass follows, stays one batch) until ``take`` hands it
-    to a pass asking for exactly what it builds: an equal ``PassSpec`` (seed, dataset, augmentation, threads,
-    everything a batch depends on), the same epoch and batches, from the first batch. Otherwise it is stopped.
-    One spare at a time, under a lock: a newer one stops the older, none starts after ``stop(close=True)``
-    (a ``close()`` racing the last batch from another thread). A forked child drops the spare it inherited
-    without stopping it: its threads live in the parent only (issue 26: the five bugs of its first version).
-    """
-
-    def __init__(self) -> None:
-        self.closed = False
-        self._owner()
-
-    def _owner(self) -> None:
-        # A fresh lock in each process: a child forked while another thread held it would wait forever.
-        self.pid, self.lock = os.getpid(), threading.Lock()
-        self.run: Pass | None = None
-
-    def _swap(self, run: Pass | None, only: Pass | None = None, close: bool = False) -> Pass | None:
-        """Put ``run`` in place of the spare (only if the spare is ``only``, when given); the one it replaced."""
-        if self.pid != os.getpid():
-            self._owner()  # the parent's pass: its threads do not exist here
-        with self.lock:
-            self.closed = self.closed or close
-            if only is not None and self.run is not only:
-                return None
-            if run is not None and self.closed:
-                return run  # closed meanwhile: the caller stops the new pass, none is kept
-            old, self.run = self.run, run
-        return old
-
-    def start(self, spec: PassSpec, epoch: int, batches: list[list[int]], key: tuple[Any, ...]) -> Pass | None:
-        """Start epoch ``epoch``'s pass (held after its first batch); the pass, or None after ``close``. ``key``:
-        what the Loader made ``batches`` of (its epoch, seed, order options), for ``batches``."""
-        if self.closed:
-            return None
-        try:
-            run = Pass(spec, epoch, batches, 0, held=True)
-        except RuntimeError:  # no thread can start (the interpreter's shutdown): the next epoch starts its own pass
-            return None
-        run.key = key
-        old = self._swap(run)
-        if old is not None:
-            old.stop()
-        return None if old is run else run
-
-    def take(self, spec: PassSpec, epoch: int, batches: list[list[int]], start: int) -> Pass | None:
-        """The spare if it builds exactly these batches (it runs on at once), else None (it is stopped)."""
-        run = self._swap(None)
-        if run is None:
-            return None
-        if run.spec == spec and run.epoch == epoch and (run.batches is batches or run.batches == batches) and not start:
-            run.go.set()
-            return run
-        run.stop()
-        return None
-
-    def batches(self, key: tuple[Any, ...]) -> list[list[int]] | None:
-        """The spare's batches if the Loader made them of ``key``: ``iter`` need not build them again."""
-        run = self.run
-        return run.batches if run is not None and run.key == key and self.pid == os.getpid() else None
-
-    def keep(self, epoch: int) -> None:
-        """Stop the spare now unless it is of ``epoch`` (the Loader's ``set_epoch``)."""
-        run = self.run
-        if run is not None and run.epoch != epoch:
-            self.stop(only=run)
-
-    def stop(self, only: Pass | None = None, close: bool = False) -> None:
-        """Stop the spare (only if it is ``only``: the pass the caller started); with ``close`` start none again."""
-        run = self._swap(None, only, close)
-        if run is not None:
-            run.stop()
 
 
 class InlinePass(Pass):

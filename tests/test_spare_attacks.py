@@ -1,4 +1,4 @@
-"""Attacks on the next epoch's pass built ahead (``loader/_pass.Spare``, issue 26): each test compares a Loader
+"""Attacks on the next epoch's pass built ahead (``loader/_spare.Spare``, issue 26): each test compares a Loader
 that had a pass ahead with one that had none (a fresh Loader at the same seed and epoch), or checks what it leaves.
 """
 
@@ -136,9 +136,9 @@ def _script(tmp_path, name: str, epochs: int) -> list[str]:
 
 def test_a_script_that_just_ends_with_a_pass_ahead_exits_cleanly(tmp_path, read_path):
     """A script that iterates 1 to 3 epochs and ends, a pass ahead running: rc 0, nothing on stderr, no hang
-    (20 runs)."""
+    (6 runs; 30 under `make stress`)."""
     env = _env(read_path)
-    for run in range(20):
+    for run in range(30 if os.environ.get("LMDBCACHE_STRESS") == "1" else 6):
         proc = subprocess.run(
             _script(tmp_path, f"c{run % 3}", 1 + run % 3), env=env, capture_output=True, text=True, timeout=60
         )
@@ -216,13 +216,13 @@ def test_a_damaged_sample_in_the_next_epochs_first_batch_raises_as_without_a_pas
 def test_ctrl_c_while_the_pass_ahead_is_being_started_leaves_no_thread(tmp_path, read_path, monkeypatch):
     """A real SIGINT landing between the pass ahead's creation and its registration (Spare.start, at the
     epoch's last batch): KeyboardInterrupt, and no planner or copy thread left behind, not even after close()."""
-    from lmdbcache.loader import _pass
+    from lmdbcache.loader import _spare
 
     ds = cached(tmp_path / "c", n=24)
     loader = Loader(ds, 8, shuffle=True, seed=3, augment=STEPS)
     before = ours()
     created: list = []
-    swap = _pass.Spare._swap
+    swap = _spare.Spare._swap
 
     def interrupted(self, run, *args, **kw):
         if run is not None and not created:  # Spare.start: the pass ahead exists, its threads run
@@ -231,7 +231,7 @@ def test_ctrl_c_while_the_pass_ahead_is_being_started_leaves_no_thread(tmp_path,
             time.sleep(5)  # the handler raises KeyboardInterrupt here, in the consumer's thread
         return swap(self, run, *args, **kw)
 
-    monkeypatch.setattr(_pass.Spare, "_swap", interrupted)
+    monkeypatch.setattr(_spare.Spare, "_swap", interrupted)
     try:
         with pytest.raises(KeyboardInterrupt):
             for _ in loader:
@@ -248,12 +248,12 @@ def test_ctrl_c_while_the_pass_ahead_is_being_started_leaves_no_thread(tmp_path,
 def test_ctrl_c_right_after_the_pass_ahead_started_stops_it(tmp_path, read_path, monkeypatch):
     """A real SIGINT landing just after Spare.start returned (before _run holds the pass it started): the
     KeyboardInterrupt at the last batch still stops the pass ahead, as a break or an exception there does."""
-    from lmdbcache.loader import _pass
+    from lmdbcache.loader import _spare
 
     ds = cached(tmp_path / "c", n=24)
     loader = Loader(ds, 8, shuffle=True, seed=3, augment=STEPS)
     before = ours()
-    start = _pass.Spare.start
+    start = _spare.Spare.start
 
     def interrupted(self, *args, **kw):
         run = start(self, *args, **kw)
@@ -261,7 +261,7 @@ def test_ctrl_c_right_after_the_pass_ahead_started_stops_it(tmp_path, read_path,
         time.sleep(5)  # the handler raises KeyboardInterrupt here, in the consumer's thread
         return run
 
-    monkeypatch.setattr(_pass.Spare, "start", interrupted)
+    monkeypatch.setattr(_spare.Spare, "start", interrupted)
     try:
         with pytest.raises(KeyboardInterrupt):
             for _ in loader:
