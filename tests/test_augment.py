@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -224,6 +226,64 @@ def test_threads_and_resume_give_identical_batches(tmp_path, read_path):
     rest = batches(resumed)
     assert len(head) + len(rest) == len(full)
     assert all(torch.equal(x, y) for a, b in zip(head + rest, full) for x, y in zip(a, b))
+
+
+def test_the_next_epoch_is_built_while_the_last_batch_is_held(tmp_path, read_path):
+    """Handing out an epoch's last batch starts the next epoch's pass (its first batch ready when iter() asks):
+    its batches are a fresh loader's for that epoch; set_epoch to another epoch stops it; close() joins it."""
+    ds = cached(tmp_path / "c", n=24)
+    steps = [RandomResizedCrop(16), RandomHorizontalFlip()]
+
+    def fresh(epoch):
+        other = Loader(ds, 8, shuffle=True, seed=3, augment=steps)
+        other.set_epoch(epoch)
+        out = batches(other)
+        other.close()
+        return out
+
+    def same(got, want):
+        return len(got) == len(want) and all(torch.equal(x, y) for a, b in zip(got, want) for x, y in zip(a, b))
+
+    before = set(threading.enumerate())
+    loader = Loader(ds, 8, shuffle=True, seed=3, augment=steps)
+    assert same(batches(loader), fresh(0))
+    assert any(t.name == "lmdbcache-planner" for t in set(threading.enumerate()) - before)  # epoch 1's pass
+    assert same(batches(loader), fresh(1))
+    loader.set_epoch(5)  # not the epoch started ahead (2): that pass stops (its threads joined), 5 is built afresh
+    assert not set(threading.enumerate()) - before
+    assert same(batches(loader), fresh(5))
+    loader.close()
+    deadline = time.monotonic() + 5
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not set(threading.enumerate()) - before
+
+
+def test_the_pass_ahead_builds_one_batch_until_it_is_taken(tmp_path, monkeypatch):
+    """The pass started ahead builds the next epoch's first batch only (one core.augment call on one thread),
+    however long the consumer takes to come back; iterating it builds the rest."""
+    if _native.core is None:
+        pytest.skip("counts the compiled core's calls (the pure path's pass ahead: the test above)")
+    ds = cached(tmp_path / "c", n=24)
+    core, calls = _native.core, []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(core, name)
+
+        def augment(self, *args):
+            calls.append(args[3:5])
+            return core.augment(*args)
+
+    monkeypatch.setattr(_native, "core", Counting())
+    loader = Loader(ds, 8, shuffle=True, seed=3, num_threads=1, augment=[RandomResizedCrop(16)])
+    assert len(batches(loader)) == 3
+    time.sleep(0.5)
+    assert len(calls) == 4  # the epoch's 3 batches, then the next epoch's first
+    assert len(batches(loader)) == 3
+    time.sleep(0.5)
+    assert len(calls) == 7  # epoch 1's other 2, then epoch 2's first
+    loader.close()
 
 
 def test_epochs_draw_new_boxes(tmp_path):

@@ -49,7 +49,17 @@ def _new_rng_lock() -> None:
 os.register_at_fork(after_in_child=_new_rng_lock)
 _U64 = (1 << 64) - 1
 
-__all__ = ["INLINE", "Pass", "Ring", "current_stream_event", "ended", "one_by_one", "stamp", "stray", "together"]
+__all__ = [
+    "INLINE",
+    "Pass",
+    "Ring",
+    "current_stream_event",
+    "ended",
+    "one_by_one",
+    "stamp",
+    "stray",
+    "together",
+]
 
 # A batch smaller than this is copied by the planner thread itself: its per-sample work holds
 # the GIL anyway, and the hand-off to the pool cost more than it saved (3x32x32, batch 64:
@@ -138,15 +148,22 @@ class PassSpec:
 class Pass:
     """One pass: the planner thread, the copy pool and the queue of finished batches."""
 
-    def __init__(self, spec: PassSpec, epoch: int, batches: list[list[int]], start: int) -> None:
+    def __init__(self, spec: PassSpec, epoch: int, batches: list[list[int]], start: int, held: bool = False) -> None:
         self.spec, self.epoch, self.batches, self.start = spec, epoch, batches, start
         self.ds = spec.dataset
         self.out: queue.Queue[Any] = queue.Queue(maxsize=spec.prefetch)
         self.stopping = threading.Event()
+        self.go = threading.Event()  # held (``Spare``): the planner builds the first batch, then waits for it
+        if not held:
+            self.go.set()
         self.replaced = False  # set by the Loader when a newer pass of it starts (see ``ended``)
+        self.key: tuple[Any, ...] = ()  # ``Spare``: what the Loader made ``batches`` of
         self.small, self.built = True, 0  # every batch built so far was copied from the map under INLINE bytes
-        self.pool = ThreadPoolExecutor(spec.num_threads, thread_name_prefix="lmdbcache-copy")
-        self._begin()
+        self.threads: set[int] = set()  # the pool's threads (see ``stop``)
+        self.pool = ThreadPoolExecutor(spec.num_threads, "lmdbcache-copy", _note_thread, (self.threads,))
+        self.owner: Any = None  # ``Spare``: the pass that started this one ahead; held: its owner begins it
+        if not held:
+            self._begin()
 
     def _begin(self) -> None:
         self.planner = threading.Thread(target=self._plan, name="lmdbcache-planner", daemon=True)
@@ -166,6 +183,13 @@ class Pass:
 
     def stop(self) -> None:
         self.stopping.set()
+        self.go.set()  # a held planner wakes to see it
+        if not hasattr(self, "planner"):  # held, never begun (Spare.start): no thread to join
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            return
+        if self._inside():  # they end on their own: stopping is set
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            return
         while self.planner.is_alive():
             try:
                 while True:
@@ -174,6 +198,12 @@ class Pass:
                 pass
             self.planner.join(0.05)
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def _inside(self) -> bool:
+        """Called on one of this pass's own threads, which cannot join themselves: the Loader's collection (and
+        so ``stop``) can run on any thread, its pass ahead's planner included, when it sits in a reference cycle."""
+        me = threading.current_thread()
+        return me is getattr(self, "planner", None) or me.ident in self.threads
 
     def _put(self, item: Any) -> bool:
         while not self.stopping.is_set():
@@ -192,6 +222,9 @@ class Pass:
             if not self._put(item) or isinstance(item, BaseException):
                 return
             del item
+            while not self.go.wait(0.1):  # a pass started ahead builds one batch until it is taken
+                if self.stopping.is_set():
+                    return
 
     def _build(self, k: int) -> Any:
         """Batch ``k`` and its ring slots, or the exception that building it raised (noted with where)."""
@@ -290,7 +323,11 @@ class InlinePass(Pass):
 
     def stop(self) -> None:
         self.stopping.set()
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pool.shutdown(wait=not self._inside(), cancel_futures=True)
+
+
+def _note_thread(threads: set[int]) -> None:
+    threads.add(threading.get_ident())
 
 
 def ended(replaced: bool) -> RuntimeError:
