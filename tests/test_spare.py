@@ -62,6 +62,31 @@ def test_a_pass_ahead_of_another_seed_is_not_taken(tmp_path, read_path):
     loader.close()
 
 
+@pytest.mark.parametrize("where", ["mid-epoch", "another seed", "the next epoch's start"])
+def test_load_state_dict_stops_a_pass_ahead_it_makes_useless(tmp_path, read_path, where):
+    """load_state_dict to another position or seed stops the pass ahead at once (its threads do not linger until
+    the next iter or close()); a state at the next epoch's start with the same seed keeps it, and it is taken."""
+    ds = cached(tmp_path / "c", n=24)
+    before = ours()
+    loader = Loader(ds, 8, shuffle=True, seed=3, augment=STEPS)
+    assert len(batches(loader)) == 3
+    state = loader.state_dict()
+    assert state["epoch"] == 1 and loader._spare.run is not None
+    change = {"mid-epoch": {"batches": 1}, "another seed": {"seed": 4}, "the next epoch's start": {}}[where]
+    loader.load_state_dict({**state, **change})
+    if where == "the next epoch's start":
+        ahead = loader._spare.run
+        assert ahead is not None
+        got = batches(loader)
+        assert loader._pass is None and same(got, fresh(ds, 1))
+    else:
+        assert loader._spare.run is None and not settled(before)
+        want = fresh(ds, 1, seed=change.get("seed", 3))[change.get("batches", 0) :]
+        assert same(batches(loader), want)
+    loader.close()
+    assert not settled(before)
+
+
 @pytest.mark.parametrize("when", ["before", "during"])
 def test_close_from_another_thread_racing_the_last_batch_leaves_no_thread(tmp_path, read_path, monkeypatch, when):
     """close() from another thread between the last batch's arrival and the start of the pass ahead, or while

@@ -373,9 +373,13 @@ class Loader:
                     f"set_epoch({epoch + 1}) instead of load_state_dict to start the next epoch afresh."
                 )
             delivered = -(-samples // self.batch_size)  # samples received, counted in this loader's batches
-        self.seed, self.epoch, self.delivered, self.samples = seed, epoch, delivered, samples
+        before, self.seed, self.epoch, self.delivered, self.samples = self.seed, seed, epoch, delivered, samples
         if delivered >= len(self):
             self.epoch, self.delivered, self.samples = epoch + 1, 0, 0
+        if self.delivered or self.seed != before:  # a pass ahead can never be taken there: stop it now
+            self._spare.stop()
+        else:
+            self._spare.keep(self.epoch)
 
     # ------------------------------------------------------------------ passes
 
