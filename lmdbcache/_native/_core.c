@@ -448,6 +448,12 @@ static uint64_t xxh3_64_copy(uint8_t *dst, const uint8_t *src, size_t len, uint6
 /* Bytes from which a hash releases the GIL (below, taking it back costs more than the hash). */
 #define NOGIL_MIN (64 * 1024)
 
+/* The optional seed at args[at] (0 when absent): like xxhash, any int taken modulo 2**64 (a negative one wraps). */
+static int seed_arg(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t at, uint64_t *seed) {
+    *seed = nargs > at ? PyLong_AsUnsignedLongLongMask(args[at]) : 0;
+    return *seed == (uint64_t)-1 && PyErr_Occurred() ? -1 : 0;
+}
+
 PyDoc_STRVAR(py_xxh3_64_doc,
              "xxh3_64(buffer, seed=0, /) -> int\n\n"
              "XXH3-64 of a bytes-like object: the same integer as xxhash.xxh3_64_intdigest(buffer, seed).");
@@ -457,12 +463,8 @@ static PyObject *py_xxh3_64(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_TypeError, "xxh3_64() takes a buffer and an optional seed");
         return NULL;
     }
-    uint64_t seed = 0;
-    if (nargs == 2) {
-        /* Like xxhash: any int, taken modulo 2**64 (a negative seed wraps). */
-        seed = PyLong_AsUnsignedLongLongMask(args[1]);
-        if (seed == (uint64_t)-1 && PyErr_Occurred()) return NULL;
-    }
+    uint64_t seed;
+    if (seed_arg(args, nargs, 1, &seed) < 0) return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
     uint64_t h;
@@ -487,11 +489,8 @@ static PyObject *py_xxh3_64_copy(PyObject *self, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_TypeError, "xxh3_64_copy() takes a destination, a source and an optional seed");
         return NULL;
     }
-    uint64_t seed = 0;
-    if (nargs == 3) {
-        seed = PyLong_AsUnsignedLongLongMask(args[2]);
-        if (seed == (uint64_t)-1 && PyErr_Occurred()) return NULL;
-    }
+    uint64_t seed;
+    if (seed_arg(args, nargs, 2, &seed) < 0) return NULL;
     Py_buffer dst, src;
     if (PyObject_GetBuffer(args[0], &dst, PyBUF_WRITABLE) < 0) return NULL;
     if (PyObject_GetBuffer(args[1], &src, PyBUF_SIMPLE) < 0) {
