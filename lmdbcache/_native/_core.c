@@ -242,6 +242,16 @@ static inline void scramble(uint64_t *acc, const uint8_t *sec) {
     }
 }
 
+/* The accumulators merged into the 64-bit result (the spec's merge starts 11 bytes into the secret). */
+static uint64_t merge_acc(const uint64_t *acc, size_t len, const uint8_t *sec) {
+    uint64_t result = len * P64_1;
+    for (int i = 0; i < 4; i++) {
+        const uint8_t *k = sec + 11 + 16 * i;
+        result += mul128_fold64(acc[2 * i] ^ le64(k), acc[2 * i + 1] ^ le64(k + 8));
+    }
+    return xxh3_avalanche(result);
+}
+
 /* Over 240 bytes: blocks of 16 stripes (the secret advancing 8 bytes a stripe), a scramble after each block,
  * the remaining whole stripes, the input's last 64 bytes, then the accumulators merged. */
 static uint64_t xxh3_long(const uint8_t *in, size_t len, const uint8_t *sec) {
@@ -256,12 +266,7 @@ static uint64_t xxh3_long(const uint8_t *in, size_t len, const uint8_t *sec) {
     size_t stripes = ((len - 1) - block * blocks) / STRIPE;
     for (size_t s = 0; s < stripes; s++) accumulate512(acc, in + blocks * block + s * STRIPE, sec + s * 8);
     accumulate512(acc, in + len - STRIPE, sec + SECRET_SIZE - STRIPE - 7);
-    uint64_t result = len * P64_1;
-    for (int i = 0; i < 4; i++) {
-        const uint8_t *k = sec + 11 + 16 * i; /* the spec's merge starts 11 bytes into the secret */
-        result += mul128_fold64(acc[2 * i] ^ le64(k), acc[2 * i + 1] ^ le64(k + 8));
-    }
-    return xxh3_avalanche(result);
+    return merge_acc(acc, len, sec);
 }
 
 /* The same long hash of ``len`` bytes at ``src``, copied to ``dst`` on the way: each stripe is loaded once,
@@ -291,12 +296,7 @@ static uint64_t xxh3_long_copy(uint8_t *dst, const uint8_t *src, size_t len, con
     size_t done = blocks * block + stripes * STRIPE; /* len - 64 <= done < len */
     memcpy(dst + done, src + done, len - done);
     accumulate512(acc, dst + len - STRIPE, sec + SECRET_SIZE - STRIPE - 7);
-    uint64_t result = len * P64_1;
-    for (int i = 0; i < 4; i++) {
-        const uint8_t *k = sec + 11 + 16 * i;
-        result += mul128_fold64(acc[2 * i] ^ le64(k), acc[2 * i + 1] ^ le64(k + 8));
-    }
-    return xxh3_avalanche(result);
+    return merge_acc(acc, len, sec);
 }
 
 /* The same long hash, eight lanes per stripe in two AVX2 registers (about 1.7x SSE2's speed here). Compiled
@@ -340,18 +340,13 @@ static uint64_t xxh3_long_copy(uint8_t *dst, const uint8_t *src, size_t len, con
         a = _mm256_add_epi64(lo, _mm256_slli_epi64(hi, 32));                                                   \
     } while (0)
 
-/* The accumulators merged into the 64-bit result (the spec's merge starts 11 bytes into the secret). */
+/* merge_acc of the AVX2 accumulators. */
 __attribute__((target("avx2"))) static inline uint64_t merge_avx2(__m256i a0, __m256i a1, size_t len,
                                                                    const uint8_t *sec) {
     uint64_t acc[8];
     _mm256_storeu_si256((__m256i *)(void *)acc, a0);
     _mm256_storeu_si256((__m256i *)(void *)(acc + 4), a1);
-    uint64_t result = len * P64_1;
-    for (int i = 0; i < 4; i++) {
-        const uint8_t *k = sec + 11 + 16 * i;
-        result += mul128_fold64(acc[2 * i] ^ le64(k), acc[2 * i + 1] ^ le64(k + 8));
-    }
-    return xxh3_avalanche(result);
+    return merge_acc(acc, len, sec);
 }
 
 __attribute__((target("avx2"))) static uint64_t xxh3_long_avx2(const uint8_t *in, size_t len, const uint8_t *sec) {

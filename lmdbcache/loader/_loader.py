@@ -10,7 +10,8 @@ ends (exhausted, ``break``, an exception, KeyboardInterrupt, ``close()``) joins 
 exception: when an ``augment=`` loader (its own order) hands out an epoch's last batch, the next
 epoch's pass starts and builds that epoch's first batch (``_spare.Spare``); it lives on only if
 the epoch then ends normally, until the next ``iter`` takes it or ``close()``, ``set_epoch`` to
-another epoch or the Loader's collection stops it (docs/guarantees.md). When a
+another epoch, ``load_state_dict`` to another position or seed or the Loader's collection stops it
+(docs/guarantees.md). When a
 pass saw only such small batches copied from the map, the Loader's next pass has no planner:
 the consumer's own thread builds each batch when it asks (``_pass.InlinePass``), because
 handing a small batch from thread to thread cost about as much as building it.

@@ -31,6 +31,7 @@ def world_of(rank: int | None, world_size: int | None) -> tuple[int, int] | None
 
 
 def epoch_of(sampler: Iterable[Any], epoch: int) -> Iterable[Any]:
+    """``sampler`` set to ``epoch`` (its ``set_epoch``, or its inner sampler's for a BatchSampler), to iterate."""
     set_epoch = getattr(sampler, "set_epoch", None) or getattr(getattr(sampler, "sampler", None), "set_epoch", None)
     if set_epoch is not None:  # a BatchSampler's epoch is its sampler's
         set_epoch(epoch)

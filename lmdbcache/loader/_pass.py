@@ -184,10 +184,9 @@ class Pass:
     def stop(self) -> None:
         self.stopping.set()
         self.go.set()  # a held planner wakes to see it
-        if not hasattr(self, "planner"):  # held, never begun (Spare.start): no thread to join
-            self.pool.shutdown(wait=False, cancel_futures=True)
-            return
-        if self._inside():  # they end on their own: stopping is set
+        # Held and never begun (Spare.start): no thread to join; or on one of its own threads: they end on their
+        # own, stopping is set.
+        if not hasattr(self, "planner") or self._inside():
             self.pool.shutdown(wait=False, cancel_futures=True)
             return
         while self.planner.is_alive():
