@@ -2138,9 +2138,17 @@ static PyObject *keyed(PyObject *key, PyObject *value) {
     return pair;
 }
 
-/* (group key, record, pointers) of items[at:end] (checked (int, bytes) pairs, their indices beside), a new tuple. */
+/* One value's copy into its group's record, deferred until every object is built (copy_records). */
+typedef struct {
+    uint8_t *to;
+    const char *from;
+    Py_ssize_t size, pad;
+} RecordCopy;
+
+/* (group key, record, pointers) of items[at:end] (checked (int, bytes) pairs, their indices beside), a new tuple.
+ * The record is allocated, not filled: each value's copy is appended to ``copies`` (copy_records runs them). */
 static PyObject *one_group(PyObject **items, const uint64_t *indices, Py_ssize_t at, Py_ssize_t end,
-                           uint64_t group, Py_ssize_t record_size) {
+                           uint64_t group, Py_ssize_t record_size, RecordCopy *copies) {
     PyObject *record = PyBytes_FromStringAndSize(NULL, record_size), *pointers = PyList_New(end - at), *out = NULL;
     uint8_t gk[10] = {0xff, 'G'};
     for (int i = 0; i < 8; i++) gk[2 + i] = (uint8_t)(group >> (56 - 8 * i));
@@ -2150,8 +2158,7 @@ static PyObject *one_group(PyObject **items, const uint64_t *indices, Py_ssize_t
     for (Py_ssize_t k = at; k < end; k++) {
         PyObject *value = PyTuple_GET_ITEM(items[k], 1);
         Py_ssize_t size = PyBytes_GET_SIZE(value), pad = (8 - size % 8) % 8;
-        memcpy(r + offset, PyBytes_AS_STRING(value), (size_t)size);
-        memset(r + offset + size, 0, (size_t)pad);
+        copies[k] = (RecordCopy){r + offset, PyBytes_AS_STRING(value), size, pad};
         uint8_t p[20] = {'L', 'M', 'G', 'P'};
         put_le64(p + 4, group);
         for (int i = 0; i < 4; i++) {
@@ -2172,6 +2179,18 @@ done:
     return out;
 }
 
+/* The values' copies into their records, with the GIL released: a commit's records are megabytes of fresh
+ * memory, whose page faults would otherwise stall the filling thread too (issue 24: the per-miss cost). Safe:
+ * the values are immutable bytes the caller's tuple keeps alive, the records new objects no one else holds. */
+static void copy_records(const RecordCopy *copies, Py_ssize_t n) {
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t k = 0; k < n; k++) {
+        memcpy(copies[k].to, copies[k].from, (size_t)copies[k].size);
+        memset(copies[k].to + copies[k].size, 0, (size_t)copies[k].pad);
+    }
+    Py_END_ALLOW_THREADS
+}
+
 static PyObject *py_group_batch(PyObject *self, PyObject *args) {
     PyObject *batch;
     Py_ssize_t small, limit;
@@ -2185,8 +2204,9 @@ static PyObject *py_group_batch(PyObject *self, PyObject *args) {
     uint64_t *indices = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
     PyObject **smalls = PyMem_Malloc(sizeof(PyObject *) * (size_t)(n ? n : 1));
     uint64_t *small_indices = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
+    RecordCopy *copies = PyMem_Malloc(sizeof(RecordCopy) * (size_t)(n ? n : 1));
     PyObject *singles = NULL, *groups = NULL, *out = NULL;
-    if (indices == NULL || smalls == NULL || small_indices == NULL) {
+    if (indices == NULL || smalls == NULL || small_indices == NULL || copies == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -2222,7 +2242,8 @@ static PyObject *py_group_batch(PyObject *self, PyObject *args) {
             end++;
         }
         if (record_size > UINT32_MAX) goto none; /* offsets are u32: the Python reference raises */
-        PyObject *one = one_group(smalls, small_indices, at, end, (uint64_t)first + (uint64_t)group_at, record_size);
+        PyObject *one =
+            one_group(smalls, small_indices, at, end, (uint64_t)first + (uint64_t)group_at, record_size, copies);
         if (one == NULL || PyList_Append(groups, one) < 0) {
             Py_XDECREF(one);
             goto done;
@@ -2230,6 +2251,7 @@ static PyObject *py_group_batch(PyObject *self, PyObject *args) {
         Py_DECREF(one);
         at = end;
     }
+    if (nsmall >= 2) copy_records(copies, nsmall);
     out = PyTuple_Pack(2, singles, groups);
     goto done;
 none:
@@ -2241,6 +2263,7 @@ done:
     PyMem_Free(indices);
     PyMem_Free(smalls);
     PyMem_Free(small_indices);
+    PyMem_Free(copies);
     Py_DECREF(held);
     return out;
 }
