@@ -1959,6 +1959,10 @@ PyDoc_STRVAR(py_fill_doc,
              "layout (nothing is wrong: the caller takes its other path); 2, 3, 4: the structure checksum,\n"
              "the lengths, the data checksum of ``row`` do not match; 5: a span outside the map.");
 
+/* How many values ahead the fill loop prefetches a value's header: the values of a shuffled batch lie anywhere in
+ * the map, so each one's first line is a cache (and TLB) miss the copy of the one before can hide. */
+#define FILL_AHEAD 4
+
 static PyObject *py_fill(PyObject *self, PyObject *args) {
     unsigned long long base, len;
     Py_ssize_t lo, hi;
@@ -2044,6 +2048,10 @@ done:
         if (offset > m.len || size > m.len - offset) {
             status = FILL_SPAN;
             break;
+        }
+        if (j + FILL_AHEAD < hi) { /* a later value's header: its first touch is a cache miss, taken meanwhile */
+            uint64_t ahead = le64(spans + (j + FILL_AHEAD) * SPAN);
+            if (ahead < m.len) __builtin_prefetch(m.base + ahead);
         }
         const uint8_t *v = m.base + offset;
         /* Header: "LMC\x02", u32 structure size, u64 structure and data checksums; then 0xC1 and the
