@@ -415,7 +415,7 @@ class Loader:
         return PassSpec(
             self.dataset, self.num_threads, self.prefetch, self.pin_memory, self.batch_transform, self.seed,
             self.seed_transforms, self._ring, self._layouts, self.worker_processes, self.multiprocessing_context,
-            self._fused,
+            self._fused, self.sampler is None and self.batch_sampler is None,
         )  # fmt: skip
 
     def _run(self, epoch: int, batches: list[list[int]], start: int) -> Iterator[Any]:

@@ -143,6 +143,7 @@ class PassSpec:
     worker_processes: int = 0
     multiprocessing_context: Any = None
     fused: Fused | None = None  # ``augment=``: the image field augmented on its way into the batch
+    own_order: bool = False  # the batches are the Loader's own order: ints in range, not checked again per batch
 
 
 class Pass:
@@ -256,7 +257,8 @@ class Pass:
             return (pin_batch(batch) if spec.pin_memory and not slots else batch), slots  # the torch path's batch
         if ds.transform is not None:
             return None, []
-        indices = ds.checked_indices(indices)  # a sampler may give numpy or negative indices, or bad ones
+        if not spec.own_order:
+            indices = ds.checked_indices(indices)  # a sampler may give numpy or negative indices, or bad ones
         taken: list[Buffers] = []
 
         def copy(views: list[Any], checks: list[bool]) -> Any:
