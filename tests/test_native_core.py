@@ -407,6 +407,39 @@ def test_group_batch_equals_plan(batch: list[tuple[int, bytes]], small: int, fir
 
 
 @needs_core
+def test_group_batch_copies_a_batch_another_thread_changes_meanwhile() -> None:
+    """The values are copied into the records with the GIL released: a list whose items another thread replaces
+    meanwhile (the old values freed) gives the records of the list as it was at the call, never a mix or freed
+    bytes (the sanitizer run reads them too)."""
+    import threading
+
+    from lmdbcache.format import _group
+
+    assert core is not None
+    rng = random.Random(5)
+    versions = [[(i, rng.randbytes(rng.randrange(1, 9000))) for i in rng.sample(range(10**6), 700)] for _ in range(2)]
+    versions.append(versions[0][:3])
+    expected = [_group.plan(v, 16384, 7, 1 << 18) for v in versions]
+    batch = list(versions[0])
+    stop = threading.Event()
+
+    def churn() -> None:  # each assignment is one step under the GIL; the values it drops are freed
+        k = 0
+        while not stop.is_set():
+            batch[:] = [(i, bytes(bytearray(v))) for i, v in versions[k % 3]]
+            k += 1
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for _ in range(300):
+            assert core.group_batch(batch, 16384, 7, 1 << 18) in expected
+    finally:
+        stop.set()
+        thread.join()
+
+
+@needs_core
 def test_group_batch_leaves_odd_items_to_python() -> None:
     """Anything but (int, bytes) pairs with an index that fits 8 bytes comes back None: Python writes or refuses it."""
     assert core is not None
