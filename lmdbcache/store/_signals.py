@@ -1,19 +1,38 @@
-"""Ctrl-C around work that must not be cut in half: held until the block ends, or ignored during it.
+"""Ctrl-C around work that must not be cut in half: held until the block ends, ignored during it, or kept out
+of the standard library's lock wrappers.
 
 Python raises ``KeyboardInterrupt`` between any two bytecodes of the main thread, so an
 interrupt that lands between an fsync and the removal of the unsynced marker would leave the
 marker for good (issue #22), and one inside precompute's last commit would lose the batch.
 Signal handlers run in the main thread only, so in other threads these blocks change nothing.
+
+The standard library's Python-level lock wrappers have the same hole: ``Condition.__enter__`` is
+``return self._lock.__enter__()``, so an interrupt raised in that frame after the acquire leaves the lock
+held for good (a multiprocessing ``Lock``'s ``__enter__`` too, and a ``Queue``'s put and get between their
+acquire and their ``try``). A DataLoader's index queue is one: precompute interrupted there hung in the
+DataLoader's own shutdown, which puts into that queue (``interrupts_outside_locks``).
 """
 
 from __future__ import annotations
 
+import _thread
 import contextlib
+import multiprocessing.queues
+import multiprocessing.synchronize
 import signal
 import threading
 from collections.abc import Iterator
+from types import FrameType
 
-__all__ = ["interrupts_held", "interrupts_ignored"]
+__all__ = ["interrupts_held", "interrupts_ignored", "interrupts_outside_locks"]
+
+# The functions (file, name) in which a KeyboardInterrupt can leave a lock held (see the module docstring).
+_LOCK_WRAPPERS = {
+    *((threading.__file__, name) for name in ("__enter__", "__exit__", "_release_save", "_acquire_restore")),
+    *((multiprocessing.synchronize.__file__, name) for name in ("__enter__", "__exit__")),
+    *((multiprocessing.queues.__file__, name) for name in ("put", "get")),
+}
+_RETRY = 0.002  # seconds before an interrupt that landed in a lock wrapper is raised again
 
 
 @contextlib.contextmanager
@@ -51,3 +70,40 @@ def interrupts_ignored() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def interrupts_outside_locks() -> Iterator[None]:
+    """Ctrl-C raised as usual during the block, except inside a lock wrapper of the standard library (see the
+    module docstring), where it is delivered again ``_RETRY`` seconds later, and again until it lands outside
+    one: no interrupt leaves a lock held. One still pending when the block ends is raised there."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # Python runs signal handlers in the main thread only
+        return
+    pending: list[threading.Timer] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if frame is not None and (frame.f_code.co_filename, frame.f_code.co_name) in _LOCK_WRAPPERS:
+            for timer in pending:  # the frame returns within microseconds: try again after it, once
+                timer.cancel()
+            pending[:] = [threading.Timer(_RETRY, _thread.interrupt_main)]
+            pending[0].daemon = True
+            pending[0].start()
+            return
+        for timer in pending:
+            timer.cancel()
+        pending.clear()
+        if callable(previous):
+            previous(signum, frame)  # Python's default raises KeyboardInterrupt
+        elif previous != signal.SIG_IGN:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        for timer in pending:
+            timer.cancel()
+    if pending:
+        signal.raise_signal(signal.SIGINT)  # to the handler in force again: KeyboardInterrupt by default

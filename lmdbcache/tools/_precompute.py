@@ -40,7 +40,7 @@ from ..format._compress import check as check_compression
 from ..format.codec import encode
 from ..store import _registry
 from ..store._commit import Policy
-from ..store._signals import interrupts_held, interrupts_ignored
+from ..store._signals import interrupts_held, interrupts_ignored, interrupts_outside_locks
 from ..store._store import DATA_FILE, Store
 from ._progress import note, progress_bar
 
@@ -395,7 +395,8 @@ def _write_all(run: _Run, dataset: Any, todo: list[int], workers: int, batch_siz
     try:
         with interrupts_held():  # an interrupted start would leave workers that nothing shuts down
             batches = iter(loader)
-        _queue_all(run, batches, bar)
+        with interrupts_outside_locks():  # one inside the index queue's put would hang its shutdown below
+            _queue_all(run, batches, bar)
     except KeyboardInterrupt:
         run.final_commit(progress is False)  # before the workers go: what they handed over is kept
         raise
