@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-import _thread
-import multiprocessing
-import multiprocessing.queues
-import random
 import signal
-import threading
 import time
-from typing import Any
 
 import pytest
 import torch
@@ -19,7 +13,6 @@ from test_processes import check_cache, wait_for_count
 
 from lmdbcache import CachedDataset, CacheMismatchError, precompute, tools
 from lmdbcache.store import _registry
-from lmdbcache.store._signals import interrupts_outside_locks
 
 
 def test_python_api_precompute(cache_dir):
@@ -225,41 +218,3 @@ def test_ctrl_c_says_what_it_still_writes(cache_dir, monkeypatch, capsys, quiet)
                                      "Ctrl-C does not stop this)...\n")  # fmt: skip
     assert run.store.writer.unwritten_bytes == 0 and run.written == 40
     check_cache(cache_dir, 40)
-
-
-def _use(lock: Any) -> None:
-    """``with lock: pass``, or a Queue's put and get."""
-    if isinstance(lock, multiprocessing.queues.Queue):
-        lock.put(1)
-        lock.get(timeout=5)
-    else:
-        with lock:
-            pass
-
-
-@pytest.mark.parametrize(
-    "make",
-    [lambda: threading.Condition(threading.Lock()), multiprocessing.Lock, multiprocessing.Queue],
-    ids=["condition", "multiprocessing-lock", "multiprocessing-queue"],
-)
-def test_a_ctrl_c_never_leaves_a_standard_library_lock_held(make):
-    """Inside ``interrupts_outside_locks`` (precompute's loop over its DataLoader) a Ctrl-C at any instant of
-    ``with lock: pass`` (or a Queue's put and get) is raised, and never where it would leave the lock held.
-    Without it about 40% of these rounds left the lock held (a Condition's or multiprocessing Lock's
-    ``__enter__`` is Python code around the acquire); a DataLoader's index queue left so hung precompute's
-    shutdown after a Ctrl-C (seen once in a run of the Ctrl-C test)."""
-    rng = random.Random(0)
-    for _ in range(150):
-        lock = make()
-        timer = threading.Timer(rng.uniform(0.0005, 0.003), _thread.interrupt_main)
-        deadline = time.monotonic() + 10
-        with pytest.raises(KeyboardInterrupt):  # raised, never lost
-            with interrupts_outside_locks():
-                timer.start()
-                while time.monotonic() < deadline:
-                    _use(lock)
-        timer.join()
-        held = [lock._notempty, lock._rlock] if isinstance(lock, multiprocessing.queues.Queue) else [lock]
-        for one in held:  # a Queue's: the Condition its put takes (a DataLoader's shutdown puts), its reader's Lock
-            assert one.acquire(False), f"a Ctrl-C left {one!r} held"
-            one.release()

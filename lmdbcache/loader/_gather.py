@@ -17,6 +17,7 @@ The codec pieces used here (and only here): ``_format.MAGIC`` and the header lay
 
 from __future__ import annotations
 
+import _thread
 import struct
 import sys
 import weakref
@@ -114,10 +115,14 @@ def _hold(tensor: torch.Tensor, buffers: Buffers, k: int) -> None:
     """
 
     def drop(ref: weakref.ref[torch.Tensor]) -> None:
-        _held.pop(ref, None)
-        if not buffers.moved and buffers._counts()[k] <= buffers._base[k]:  # the storage (alive here) let go
-            buffers.moved = True
-            _moved.append(buffers)  # nothing says when such a view dies: its memory is never freed either
+        try:
+            _held.pop(ref, None)
+            if not buffers.moved and buffers._counts()[k] <= buffers._base[k]:  # the storage (alive here) let go
+                buffers.moved = True
+                _moved.append(buffers)  # nothing says when such a view dies: its memory is never freed either
+        except KeyboardInterrupt:  # a weakref callback's exception is only printed: the Ctrl-C would be lost
+            _held.pop(ref, None)
+            _thread.interrupt_main()  # raised again once this callback has returned
 
     _held[weakref.ref(tensor, drop)] = (buffers.arrays + buffers.column_arrays)[k]
 

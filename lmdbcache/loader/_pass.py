@@ -123,6 +123,42 @@ def _wait(event: Any) -> None:
         threading.Event().wait(0.0005)
 
 
+class _Batches:
+    """A pass's finished batches, at most ``size`` waiting for the consumer: two C-level ``SimpleQueue``s (the
+    batches, and a token per free place), so no Python-level lock wrapper runs in the consumer's thread. A Ctrl-C
+    inside ``queue.Queue``'s (a ``Condition.__enter__``) left its lock held, and ``stop``'s drain hung on it
+    (tests/test_interrupts.py)."""
+
+    def __init__(self, size: int) -> None:
+        self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.room: queue.SimpleQueue[None] = queue.SimpleQueue()
+        for _ in range(size):
+            self.room.put(None)
+
+    def put(self, item: Any, timeout: float) -> bool:
+        """Queue ``item`` once a place is free within ``timeout`` seconds (False: none was)."""
+        try:
+            self.room.get(timeout=timeout)
+        except queue.Empty:
+            return False
+        self.items.put(item)
+        return True
+
+    def get(self, timeout: float | None = None) -> Any:
+        """The next batch (``queue.Empty`` after ``timeout`` seconds); its place is free again."""
+        item = self.items.get(timeout=timeout)
+        self.room.put(None)
+        return item
+
+    def get_nowait(self) -> Any:
+        item = self.items.get_nowait()
+        self.room.put(None)
+        return item
+
+    def empty(self) -> bool:
+        return self.items.empty()
+
+
 @dataclasses.dataclass(frozen=True)
 class PassSpec:
     """What a pass (threads here, or ``_workers.WorkerPass``) needs from its Loader, handed over when it starts.
@@ -152,7 +188,7 @@ class Pass:
     def __init__(self, spec: PassSpec, epoch: int, batches: list[list[int]], start: int, held: bool = False) -> None:
         self.spec, self.epoch, self.batches, self.start = spec, epoch, batches, start
         self.ds = spec.dataset
-        self.out: queue.Queue[Any] = queue.Queue(maxsize=spec.prefetch)
+        self.out = _Batches(spec.prefetch)
         self.stopping = threading.Event()
         self.go = threading.Event()  # held (``Spare``): the planner builds the first batch, then waits for it
         if not held:
@@ -207,11 +243,8 @@ class Pass:
 
     def _put(self, item: Any) -> bool:
         while not self.stopping.is_set():
-            try:
-                self.out.put(item, timeout=0.1)
+            if self.out.put(item, timeout=0.1):
                 return True
-            except queue.Full:
-                continue
         return False
 
     def _plan(self) -> None:

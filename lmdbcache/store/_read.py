@@ -128,9 +128,7 @@ class Reader:
         checksum then too, or on every read if ``always``. The build is checked under the lock, so a rebuild
         by another object in this process can never slip between a caller's check and the read.
         """
-        lock = self._lock
-        lock.acquire()  # not `with`: half the cost, and this runs once per sample
-        try:
+        with self._lock:  # not acquire() then try: a Ctrl-C between the two would leave the lock held for good
             if build is not self._h.build and build is not None and build != self._h.build:
                 raise self._h.mismatch(build)
             txn = self._rtxn
@@ -180,8 +178,6 @@ class Reader:
             if raw is None:
                 return self._queued(index, always) if fresh else self._get_fresh([index], always)[0]
             return self._decode(raw, index, always)
-        finally:
-            lock.release()
 
     def _reader(self) -> lmdb.Transaction:
         """A read transaction: the one kept from the last read (a begin/abort saved per sample) if it is fresh.

@@ -8,15 +8,18 @@ Signal handlers run in the main thread only, so in other threads these blocks ch
 
 The standard library's Python-level lock wrappers have the same hole: ``Condition.__enter__`` is
 ``return self._lock.__enter__()``, so an interrupt raised in that frame after the acquire leaves the lock
-held for good (a multiprocessing ``Lock``'s ``__enter__`` too, and a ``Queue``'s put and get between their
-acquire and their ``try``). A DataLoader's index queue is one: precompute interrupted there hung in the
-DataLoader's own shutdown, which puts into that queue (``interrupts_outside_locks``).
+held for good (a multiprocessing ``Lock``'s ``__enter__`` too, a ``Queue``'s put and get between their
+acquire and their ``try``, and the ``with`` statement's own first instruction once ``__enter__`` has
+returned). A DataLoader's index queue is one: precompute interrupted there hung in the DataLoader's own
+shutdown, which puts into that queue (``interrupts_outside_locks``). The library's own locks are taken by
+``with`` on C-level locks, which has no such hole (``acquire()`` then ``try`` had one: tests/test_interrupts.py).
 """
 
 from __future__ import annotations
 
 import _thread
 import contextlib
+import dis
 import multiprocessing.queues
 import multiprocessing.synchronize
 import signal
@@ -32,7 +35,8 @@ _LOCK_WRAPPERS = {
     *((multiprocessing.synchronize.__file__, name) for name in ("__enter__", "__exit__")),
     *((multiprocessing.queues.__file__, name) for name in ("put", "get")),
 }
-_RETRY = 0.002  # seconds before an interrupt that landed in a lock wrapper is raised again
+_WITH_OPS = {dis.opmap[name] for name in ("BEFORE_WITH", "SETUP_WITH", "BEFORE_ASYNC_WITH") if name in dis.opmap}
+_RETRY = 0.002  # seconds before an interrupt that landed in a lock wrapper is delivered again
 
 
 @contextlib.contextmanager
@@ -74,17 +78,18 @@ def interrupts_ignored() -> Iterator[None]:
 
 @contextlib.contextmanager
 def interrupts_outside_locks() -> Iterator[None]:
-    """Ctrl-C raised as usual during the block, except inside a lock wrapper of the standard library (see the
-    module docstring), where it is delivered again ``_RETRY`` seconds later, and again until it lands outside
-    one: no interrupt leaves a lock held. One still pending when the block ends is raised there."""
+    """Ctrl-C raised as usual during the block, except inside a lock wrapper of the standard library or on a
+    ``with`` statement's first instruction (see the module docstring), where it is delivered again ``_RETRY``
+    seconds later, and again until it lands elsewhere: no interrupt leaves a lock held. One still pending when
+    the block ends is raised there."""
     if threading.current_thread() is not threading.main_thread():
         yield  # Python runs signal handlers in the main thread only
         return
     pending: list[threading.Timer] = []
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        if frame is not None and (frame.f_code.co_filename, frame.f_code.co_name) in _LOCK_WRAPPERS:
-            for timer in pending:  # the frame returns within microseconds: try again after it, once
+        if frame is not None and _in_lock_wrapper(frame):
+            for timer in pending:  # a moment later, the wrapper's frame has returned
                 timer.cancel()
             pending[:] = [threading.Timer(_RETRY, _thread.interrupt_main)]
             pending[0].daemon = True
@@ -102,8 +107,22 @@ def interrupts_outside_locks() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-        for timer in pending:
-            timer.cancel()
+        try:
+            for timer in pending:
+                timer.cancel()
+            for timer in pending:
+                timer.join()  # one that fired already has handed its interrupt to this handler
+        finally:
+            signal.signal(signal.SIGINT, previous)
     if pending:
         signal.raise_signal(signal.SIGINT)  # to the handler in force again: KeyboardInterrupt by default
+
+
+def _in_lock_wrapper(frame: FrameType) -> bool:
+    """The frame runs a lock wrapper (``_LOCK_WRAPPERS``), or stands on a ``with`` statement whose ``__enter__``
+    (a wrapper's) has returned: an exception there is outside the block that would release the lock."""
+    code = frame.f_code
+    if (code.co_filename, code.co_name) in _LOCK_WRAPPERS:
+        return True
+    at = frame.f_lasti
+    return 0 <= at < len(code.co_code) and code.co_code[at] in _WITH_OPS

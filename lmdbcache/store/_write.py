@@ -127,9 +127,8 @@ class Writer:
         ``build`` (the dataset's build id) guards against a rebuild in between: a sample of a
         build this store no longer holds is refused, never written into the new one.
         """
-        h, lock = self._h, self._lock
-        lock.acquire()  # not `with`: once per miss
-        try:
+        h = self._h
+        with self._lock:  # not acquire() then try: a Ctrl-C between the two would leave the lock held for good
             if build is not h.build and build is not None and build != h.build:
                 raise h.mismatch(build)
             if h._stale is not None:
@@ -140,8 +139,6 @@ class Writer:
                     "cached. Open the cache without a dataset, or copy it to a writable location to fill it."
                 )
             self._queue.add(index, value, policy)
-        finally:
-            lock.release()
 
     def flush(self) -> int:
         """Commit this process's queued samples and wait for them; return how many were queued."""
