@@ -22,8 +22,10 @@ import contextlib
 import dis
 import multiprocessing.queues
 import multiprocessing.synchronize
+import queue
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from types import FrameType
 
@@ -81,41 +83,41 @@ def interrupts_outside_locks() -> Iterator[None]:
     """Ctrl-C raised as usual during the block, except inside a lock wrapper of the standard library or on a
     ``with`` statement's first instruction (see the module docstring), where it is delivered again ``_RETRY``
     seconds later, and again until it lands elsewhere: no interrupt leaves a lock held. One still pending when
-    the block ends is raised there."""
+    the block ends is raised there.
+
+    The handler asks a helper thread for the later delivery through a C-level ``SimpleQueue``: its ``put`` runs
+    no bytecode, so no second interrupt can be taken inside the handler and raised out of the wrapper (starting a
+    timer thread there did run some, and lost or leaked about one round in ten under load)."""
     if threading.current_thread() is not threading.main_thread():
         yield  # Python runs signal handlers in the main thread only
         return
-    pending: list[threading.Timer] = []
+    requests: queue.SimpleQueue[bool] = queue.SimpleQueue()  # True: deliver one again; False: stop
+
+    def deliver() -> None:
+        while requests.get():
+            time.sleep(_RETRY)
+            _thread.interrupt_main()
 
     def handler(signum: int, frame: FrameType | None) -> None:
         if frame is not None and _in_lock_wrapper(frame):
-            for timer in pending:  # a moment later, the wrapper's frame has returned
-                timer.cancel()
-            pending[:] = [threading.Timer(_RETRY, _thread.interrupt_main)]
-            pending[0].daemon = True
-            pending[0].start()
+            requests.put(True)  # a moment later, the wrapper's frame has returned
             return
-        for timer in pending:
-            timer.cancel()
-        pending.clear()
         if callable(previous):
             previous(signum, frame)  # Python's default raises KeyboardInterrupt
         elif previous != signal.SIG_IGN:
             raise KeyboardInterrupt
 
+    helper = threading.Thread(target=deliver, name="lmdbcache-interrupts", daemon=True)
+    helper.start()
     previous = signal.signal(signal.SIGINT, handler)
     try:
         yield
     finally:
         try:
-            for timer in pending:
-                timer.cancel()
-            for timer in pending:
-                timer.join()  # one that fired already has handed its interrupt to this handler
+            requests.put(False)
+            helper.join()  # a delivery still asked for reaches this handler first, and is raised here
         finally:
             signal.signal(signal.SIGINT, previous)
-    if pending:
-        signal.raise_signal(signal.SIGINT)  # to the handler in force again: KeyboardInterrupt by default
 
 
 def _in_lock_wrapper(frame: FrameType) -> bool:
