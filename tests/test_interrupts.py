@@ -7,6 +7,8 @@ at random instants, many rounds, and checks the locks are free afterwards and th
 from __future__ import annotations
 
 import _thread
+import contextlib
+import functools
 import multiprocessing
 import multiprocessing.queues
 import random
@@ -21,14 +23,32 @@ from lmdbcache import CachedDataset
 from lmdbcache.store._signals import interrupts_outside_locks
 
 
-def _use(lock: Any) -> None:
-    """``with lock: pass``, or a Queue's put and get."""
-    if isinstance(lock, multiprocessing.queues.Queue):
-        lock.put(1)
-        lock.get(timeout=5)
-    else:
-        with lock:
-            pass
+def _interrupted(rng: random.Random, loop: Any, seconds: float = 10.0, inside: Any = contextlib.nullcontext) -> bool:
+    """``loop(deadline)`` (a loop until ``deadline``) with a Ctrl-C sent at a random instant 0.5-3 ms in, both in
+    the context ``inside()``: True if the KeyboardInterrupt came out, False if the loop reached its deadline
+    (the Ctrl-C was lost)."""
+    timer = threading.Timer(rng.uniform(0.0005, 0.003), _thread.interrupt_main)
+    deadline = time.monotonic() + seconds
+    try:
+        with inside():
+            timer.start()
+            loop(deadline)
+        raised = False
+    except KeyboardInterrupt:
+        raised = True
+    timer.join()
+    return raised
+
+
+def _use(lock: Any, deadline: float) -> None:
+    """``with lock: pass`` (or a Queue's put and get) until ``deadline``."""
+    while time.monotonic() < deadline:
+        if isinstance(lock, multiprocessing.queues.Queue):
+            lock.put(1)
+            lock.get(timeout=5)
+        else:
+            with lock:
+                pass
 
 
 @pytest.mark.parametrize(
@@ -45,27 +65,11 @@ def test_a_ctrl_c_never_leaves_a_standard_library_lock_held(make):
     rng = random.Random(0)
     for _ in range(150):
         lock = make()
-        timer = threading.Timer(rng.uniform(0.0005, 0.003), _thread.interrupt_main)
-        deadline = time.monotonic() + 10
-        with pytest.raises(KeyboardInterrupt):  # raised, never lost
-            with interrupts_outside_locks():
-                timer.start()
-                while time.monotonic() < deadline:
-                    _use(lock)
-        timer.join()
+        assert _interrupted(rng, functools.partial(_use, lock), inside=interrupts_outside_locks), "a Ctrl-C was lost"
         held = [lock._notempty, lock._rlock] if isinstance(lock, multiprocessing.queues.Queue) else [lock]
         for one in held:  # a Queue's: the Condition its put takes (a DataLoader's shutdown puts), its reader's Lock
             assert one.acquire(timeout=5), f"a Ctrl-C left {one!r} held"  # (a Queue's feeder thread takes it too)
             one.release()
-
-
-def _interrupted(rng: random.Random, loop: Any) -> None:
-    """Run ``loop()`` (an endless loop) until a Ctrl-C sent at a random instant 0.5-3 ms in stops it."""
-    timer = threading.Timer(rng.uniform(0.0005, 0.003), _thread.interrupt_main)
-    with pytest.raises(KeyboardInterrupt):  # raised, never swallowed (the loop would run until the test's timeout)
-        timer.start()
-        loop()
-    timer.join()
 
 
 def test_a_ctrl_c_in_reads_and_misses_leaves_the_store_usable(cache_dir):
@@ -77,22 +81,22 @@ def test_a_ctrl_c_in_reads_and_misses_leaves_the_store_usable(cache_dir):
     rng = random.Random(1)
     state = {"next": 0}
 
-    def reads_and_misses() -> None:
-        while True:
+    def reads_and_misses(deadline: float) -> None:
+        while time.monotonic() < deadline:
             ds[rng.randrange(max(state["next"], 1))]  # a hit (or the one miss at the start)
             if state["next"] < n:
                 ds[state["next"]]  # a miss: encoded, queued, committed by the thread every 64
                 state["next"] += 1
 
     for _ in range(300):
-        _interrupted(rng, reads_and_misses)
+        assert _interrupted(rng, reads_and_misses), "a Ctrl-C was lost"
         lock = ds._live_store()._lock
         assert lock.acquire(timeout=10), "a Ctrl-C left the store's lock held"  # (the committer takes it too)
         lock.release()
     ds.flush()
-    again = CachedDataset.open(cache_dir)
-    for i in rng.sample(range(state["next"]), 200):
-        assert_same(again[i], sample_for(i))
+    with CachedDataset.open(cache_dir) as again:
+        for i in rng.sample(range(state["next"]), 200):
+            assert_same(again[i], sample_for(i))
     ds.close()
 
 
@@ -111,19 +115,15 @@ def test_a_ctrl_c_while_iterating_the_loader_stops_it_without_a_hang(cache_dir):
     ds.flush()
     loader = ds.loader(128, shuffle=True, num_threads=2)  # 1.2 MB batches: the planner's path (not InlinePass)
     rng = random.Random(2)
+
+    def epochs(deadline: float) -> None:
+        while time.monotonic() < deadline:
+            for _ in loader:
+                pass
+
     lost = 0
     for _ in range(150):
-        deadline = time.monotonic() + 2
-        timer = threading.Timer(rng.uniform(0.0005, 0.003), _thread.interrupt_main)
-        try:
-            timer.start()
-            while time.monotonic() < deadline:
-                for _ in loader:
-                    pass
-            lost += 1
-        except KeyboardInterrupt:
-            pass
-        timer.join()
+        lost += not _interrupted(rng, epochs, seconds=2)
         assert loader._pass is None
     assert lost <= 30, f"{lost} of 150 Ctrl-Cs were lost"  # 7 and 10 in two runs here
     for _ in loader:  # the interrupted epoch's rest (a loop broken off resumes where it stopped)

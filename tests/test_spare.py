@@ -75,10 +75,12 @@ def test_load_state_dict_stops_a_pass_ahead_it_makes_useless(tmp_path, read_path
     change = {"mid-epoch": {"batches": 1}, "another seed": {"seed": 4}, "the next epoch's start": {}}[where]
     loader.load_state_dict({**state, **change})
     if where == "the next epoch's start":
-        ahead = loader._spare.run
+        ahead, taken = loader._spare.run, []
         assert ahead is not None
+        take = loader._spare.take
+        loader._spare.take = lambda *args: taken.append(take(*args)) or taken[-1]  # type: ignore[method-assign]
         got = batches(loader)
-        assert loader._pass is None and same(got, fresh(ds, 1))
+        assert taken == [ahead] and loader._pass is None and same(got, fresh(ds, 1))
     else:
         assert loader._spare.run is None and not settled(before)
         want = fresh(ds, 1, seed=change.get("seed", 3))[change.get("batches", 0) :]

@@ -108,14 +108,15 @@ def interrupts_outside_locks() -> Iterator[None]:
             raise KeyboardInterrupt
 
     helper = threading.Thread(target=deliver, name="lmdbcache-interrupts", daemon=True)
-    helper.start()
     previous = signal.signal(signal.SIGINT, handler)
     try:
+        helper.start()  # inside: a Ctrl-C during its start still ends it (the False below is queued first)
         yield
     finally:
         try:
             requests.put(False)
-            helper.join()  # a delivery still asked for reaches this handler first, and is raised here
+            if helper.is_alive():
+                helper.join()  # a delivery still asked for reaches this handler first, and is raised here
         finally:
             signal.signal(signal.SIGINT, previous)
 
