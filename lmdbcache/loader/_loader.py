@@ -76,6 +76,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch.utils.data import DistributedSampler
 
@@ -83,7 +84,7 @@ from ..errors import InvalidOptionError, LmdbCacheWarning
 from ._fused import Fused
 from ._fused import check as check_fused
 from ._gather import Layout
-from ._order import epoch_of, world_of
+from ._order import Batches, epoch_of, rows, world_of
 from ._pass import InlinePass, Pass, PassSpec, Ring, current_stream_event, stamp
 from ._spare import Spare
 from ._workers import WorkerPass
@@ -258,9 +259,13 @@ class Loader:
 
     def order(self, epoch: int) -> list[int]:
         """This rank's indices for ``epoch``, in order."""
+        return self._order(epoch).tolist()  # type: ignore[no-any-return]
+
+    def _order(self, epoch: int) -> np.ndarray:
+        """``order(epoch)`` as an array (``Batches`` slices it per batch): int64, or Python ints from a sampler."""
         n = len(self.dataset)
-        if self.sampler is not None:
-            return [int(i) for i in epoch_of(self.sampler, epoch)]
+        if self.sampler is not None:  # checked per batch (PassSpec.own_order): kept as the sampler gave them
+            return np.array([int(i) for i in epoch_of(self.sampler, epoch)], object)
         if self.world is not None:
             rank, world_size = self.world
             sampler: DistributedSampler[int] = DistributedSampler(
@@ -271,15 +276,15 @@ class Loader:
                 seed=self.seed,
             )
             sampler.set_epoch(epoch)
-            return list(sampler)
+            return np.array(list(sampler), np.int64)
         if not self.shuffle:
-            return list(range(n))
+            return np.arange(n, dtype=np.int64)
         g = torch.Generator().manual_seed(self.seed + epoch)
         torch.empty((), dtype=torch.int64).random_(generator=g)  # the DataLoader iterator's base seed comes first
-        return list(torch.randperm(n, generator=g).tolist())
+        return torch.randperm(n, generator=g).numpy()
 
-    def batches(self, epoch: int) -> list[list[int]]:
-        """This rank's batches of indices for ``epoch``."""
+    def batches(self, epoch: int) -> Sequence[list[int]]:
+        """This rank's batches of indices for ``epoch`` (a sequence of lists of ints)."""
         if self.batch_sampler is not None:
             batches = [[int(i) for i in b] for b in epoch_of(self.batch_sampler, epoch)]
             empty = next((k for k, b in enumerate(batches) if not b), None)
@@ -290,9 +295,7 @@ class Loader:
                     "list). Make the batch_sampler leave empty batches out."
                 )
             return batches
-        order, size = self.order(epoch), self.batch_size
-        stop = len(order) - len(order) % size if self.drop_last else len(order)
-        return [order[k : k + size] for k in range(0, stop, size)]
+        return Batches(self._order(epoch), self.batch_size, self.drop_last)
 
     def __len__(self) -> int:
         if self.batch_sampler is not None:
@@ -300,7 +303,7 @@ class Loader:
         if self.sampler is not None:
             n = len(self.sampler)  # type: ignore[arg-type]
         else:
-            n = len(self.order(0)) if self.world is not None else len(self.dataset)
+            n = len(self._order(0)) if self.world is not None else len(self.dataset)
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
@@ -366,7 +369,7 @@ class Loader:
         if type(samples) is not int or samples < 0:
             raise InvalidOptionError(f"A Loader state's samples is an int >= 0, not {state!r}.")
         if size != mine["batch_size"]:
-            if type(size) is not int or (samples % self.batch_size and samples < len(self.order(epoch))):
+            if type(size) is not int or (samples % self.batch_size and samples < len(self._order(epoch))):
                 raise InvalidOptionError(
                     f"This Loader state was saved with batch_size={size!r} after {samples} samples of epoch "
                     f"{epoch} ({where}), which is not a whole number of batches of this loader's "
@@ -397,7 +400,7 @@ class Loader:
             batches = self._batches(epoch)[0]
         return self._run(epoch, batches, self.delivered)
 
-    def _batches(self, epoch: int) -> tuple[list[list[int]], tuple[Any, ...]]:
+    def _batches(self, epoch: int) -> tuple[Sequence[list[int]], tuple[Any, ...]]:
         """``batches(epoch)`` and what they are made of: the pass ahead's list is reused when it is the same (an
         ImageNet order takes 0.15 s to build and 0.05 s to compare; _spare.Spare)."""
         key = (epoch, self.seed, self.world, len(self.dataset), *self._order_kind().values())
@@ -418,7 +421,7 @@ class Loader:
             self._fused, self.sampler is None and self.batch_sampler is None,
         )  # fmt: skip
 
-    def _run(self, epoch: int, batches: list[list[int]], start: int) -> Iterator[Any]:
+    def _run(self, epoch: int, batches: Sequence[list[int]], start: int) -> Iterator[Any]:
         kind: type[Pass] | type[WorkerPass] = Pass
         if self.worker_processes:
             kind = WorkerPass
@@ -436,7 +439,7 @@ class Loader:
                     raise item
                 batch, slots = item
                 del item
-                self.delivered, self.samples = k + 1, self.samples + len(batches[k])
+                self.delivered, self.samples = k + 1, self.samples + rows(batches, k)
                 if ahead and k == len(batches) - 1:  # the order of epoch + 1 is the loader's own: start it
                     self._spare.start(run, self._spec(), epoch + 1, *self._batches(epoch + 1))
                 yield batch

@@ -17,7 +17,7 @@ import queue
 import random
 import struct
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -185,7 +185,9 @@ class PassSpec:
 class Pass:
     """One pass: the planner thread, the copy pool and the queue of finished batches."""
 
-    def __init__(self, spec: PassSpec, epoch: int, batches: list[list[int]], start: int, held: bool = False) -> None:
+    def __init__(
+        self, spec: PassSpec, epoch: int, batches: Sequence[list[int]], start: int, held: bool = False
+    ) -> None:
         self.spec, self.epoch, self.batches, self.start = spec, epoch, batches, start
         self.ds = spec.dataset
         self.out = _Batches(spec.prefetch)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from ._pass import Pass, PassSpec
@@ -53,7 +54,7 @@ class Spare:
             old, self.run = self.run, run
         return old
 
-    def start(self, owner: Any, spec: PassSpec, epoch: int, batches: list[list[int]], key: tuple[Any, ...]) -> None:
+    def start(self, owner: Any, spec: PassSpec, epoch: int, batches: Sequence[list[int]], key: tuple[Any, ...]) -> None:
         """Start epoch ``epoch``'s pass (held after its first batch) for ``owner`` (``stop(owner=)``), unless
         closed. ``key``: what the Loader made ``batches`` of (its epoch, seed, order options), for ``batches``.
         Kept before its threads start: a KeyboardInterrupt anywhere here leaves it where close() finds it."""
@@ -70,7 +71,7 @@ class Spare:
             except RuntimeError:  # no thread can start (the interpreter's shutdown): the next epoch starts its own
                 self.stop(owner=owner)
 
-    def take(self, spec: PassSpec, epoch: int, batches: list[list[int]], start: int) -> Pass | None:
+    def take(self, spec: PassSpec, epoch: int, batches: Sequence[list[int]], start: int) -> Pass | None:
         """The spare if it builds exactly these batches (it runs on at once), else None (it is stopped)."""
         run = self._swap(None)
         if run is None:
@@ -86,7 +87,7 @@ class Spare:
         run.stop()
         return None
 
-    def batches(self, key: tuple[Any, ...]) -> list[list[int]] | None:
+    def batches(self, key: tuple[Any, ...]) -> Sequence[list[int]] | None:
         """The spare's batches if the Loader made them of ``key``: ``iter`` need not build them again."""
         run = self.run
         return run.batches if run is not None and run.key == key and self.pid == os.getpid() else None

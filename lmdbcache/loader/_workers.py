@@ -17,7 +17,7 @@ from __future__ import annotations
 import multiprocessing
 import pickle
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader, Dataset, default_collate
@@ -53,12 +53,12 @@ class WorkerPass:
     """One pass on its own worker processes, with ``_pass.Pass``'s interface: ``get()`` a (batch, slots) or an
     exception, ``stop()`` ends the workers (whatever ended the pass: its end, break, an error, ``close()``)."""
 
-    def __init__(self, spec: PassSpec, epoch: int, batches: list[list[int]], start: int) -> None:
+    def __init__(self, spec: PassSpec, epoch: int, batches: Sequence[list[int]], start: int) -> None:
         ds, count = spec.dataset, spec.worker_processes
         self.spec, self.epoch, self.next = spec, epoch, start
         self.replaced = False  # set by the Loader when a newer pass of it starts (see ``_pass.ended``)
         transformed = ds.transform is not None
-        items: list[list[Any]] = batches[start:]
+        items: list[list[Any]] = list(batches[start:])
         if transformed:
             items = [[(spec.seed, epoch, i) for i in batch] for batch in items]
         dataloader: DataLoader[Any] = DataLoader(
