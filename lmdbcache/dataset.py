@@ -261,6 +261,12 @@ class CachedDataset(Dataset[Any]):
         """
         return self._live_store().read_batch(indices, self._always, self._build, copy)
 
+    def fill_batch(self, indices: list[int], plan: Any, dests: list[Any], scalars: Any) -> bool:
+        """Low level, for the loader: the stored values of ``indices`` copied into ``dests`` and ``scalars`` by
+        the compiled core in one call (``Reader.fill_batch``) when they are all of the flat layout ``plan``;
+        False when not done (``read_batch`` then reads the batch and says what, if anything, is wrong)."""
+        return self._live_store().reader.fill_batch(indices, self._always, self._build, plan, dests, scalars)
+
     def checked_indices(self, indices: Iterable[Any]) -> list[int]:
         """``indices`` as ints in range, numpy and negative ones resolved as ``ds[i]`` does; IndexError if out."""
         n = self._length

@@ -21,8 +21,10 @@ import pytest
 import torch
 from helpers import Listed, Synthetic, key, raw_cache, stored
 
+import lmdbcache.store._read as read_module
 from lmdbcache import CachedDataset, CorruptSampleError, LmdbCacheError, _native, codec
 from lmdbcache.loader._gather import Buffers, Layout
+from lmdbcache.store._native_read import native_fill, native_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 core = _native.core
@@ -177,12 +179,16 @@ def counting(monkeypatch: Any) -> _Counting:
 @needs_core
 @pytest.mark.parametrize("pack", [0, 8])
 @pytest.mark.parametrize("kind", list(SAMPLE_KINDS))
-def test_native_and_python_batches_are_byte_identical(tmp_path: Any, kind: str, pack: int, counting: Any) -> None:
+def test_native_and_python_batches_are_byte_identical(
+    tmp_path: Any, kind: str, pack: int, counting: Any, monkeypatch: Any
+) -> None:
     """Every flat sample kind (every dtype, scalars, 0-d, empty, packs) gives the same batch bytes both ways."""
     make = SAMPLE_KINDS[kind]
     ds = CachedDataset(Listed([make(i) for i in range(37)]), str(tmp_path / "c.lmdb"), pack=pack)
     ds.__getitems__(list(range(37)))
     ds.flush()
+    gathered = []
+    monkeypatch.setattr(read_module, "native_fill", lambda *a: gathered.append(native_fill(*a)) or gathered[-1])
     native = _epoch(ds, 8, shuffle=True, seed=3)
     used = counting.calls["fill"]
     counting.real, saved = None, counting.real
@@ -197,6 +203,7 @@ def test_native_and_python_batches_are_byte_identical(tmp_path: Any, kind: str, 
     assert native == python
     flat = not kind.endswith("(not flat)") and kind != "empty tensor"
     assert (used > 0) == flat, counting.calls
+    assert gathered == ([True] * 4 if flat else [])  # after the first batch, each in one call (Tree.gather)
     ds.close()
 
 
@@ -477,6 +484,75 @@ def test_fill_refuses_bad_arguments_before_copying() -> None:
     with pytest.raises(ValueError):
         core.fill(at, len(value), blob, 0, 2, plan, buffers.flat, buffers.scalar_view)  # 2 rows, 1 span
     assert core.fill(at, len(value) - 1, blob, 0, 1, plan, buffers.flat, buffers.scalar_view) == (5, 0)
+
+
+def _gather_cache(path: str, n: int, pack: int) -> tuple[CachedDataset, Any, Layout]:
+    """A cache of ``n`` flat samples (int16 tensor, int, float, bool), its kept tree (tuple) and its layout."""
+    ds = CachedDataset(Listed([(_tensor(i, "int16", (3, 4)), i, i / 4, i % 3 == 0) for i in range(n)]), path, pack=pack)
+    ds.__getitems__(list(range(n)))
+    ds.close()
+    ds = CachedDataset.open(path)
+    r = ds._live_store().reader  # type: ignore[attr-defined]
+    tree = native_tree(r, r._reader())
+    value = bytes(tree[1][int.from_bytes(tree[7].__self__.locate_batch([0], None, False)[2][:8], "little") :][:4096])
+    return ds, tree, Layout(bytes(value[25 : 27 + struct.unpack_from("<H", value, 25)[0]]))
+
+
+@needs_core
+@pytest.mark.parametrize("pack", [0, 8])
+def test_gather_is_locate_batch_then_fill_then_mark_verified(tmp_path: Any, pack: int) -> None:
+    """``Tree.gather`` (the loader's one call per small batch) against the three calls it joins, on random batches
+    (repeats, the last index, verified flags set and not, ``always``): the same codes, rows, batch bytes and
+    verified flags; a missing index gives locate_batch's code and position, with nothing marked."""
+    assert core is not None
+    n = 61
+    ds, tree, layout = _gather_cache(str(tmp_path / "c.lmdb"), n, pack)
+    t, base, length = tree[7].__self__, tree[2], tree[3]
+    rng = random.Random(4)
+    for round in range(40):
+        indices = [rng.randrange(n) for _ in range(rng.choice([1, 5, 64, 65, 130]))]
+        if round % 10 == 9:
+            indices[rng.randrange(len(indices))] = n + 3  # not stored
+        flags = bytearray(rng.choice([0, 1]) for _ in range(n))
+        always = round % 4 == 0
+        a, b = Buffers(layout, len(indices)), Buffers(layout, len(indices))
+        va, vb = bytearray(flags), bytearray(flags)
+        got = t.gather(indices, va, always, layout.native_plan, a.flat, a.scalar_view, 1 << 14)
+        code, k, blob = t.locate_batch(indices, vb, always)
+        if code:
+            assert got == (code, 0, k) and va == flags
+            continue
+        status, row = core.fill(base, length, blob, 0, len(indices), layout.native_plan, b.flat, b.scalar_view)
+        core.mark_verified(vb, blob, 1 << 14)
+        assert got == (0, status, row) == (0, 0, 0)
+        assert [bytes(f) for f in a.flat] == [bytes(f) for f in b.flat] and bytes(a.scalars) == bytes(b.scalars)
+        assert va == vb and all(va[i] for i in indices)
+    ds.close()
+
+
+@needs_core
+def test_gather_refuses_bad_arguments_and_reports_damage_without_marking(tmp_path: Any) -> None:
+    """Short buffers, a plan that does not tile its value and a verified that is not a bytearray raise before
+    anything is read; a value of another form is status 1 at its row, and nothing of the batch is marked."""
+    n = 20
+    ds, tree, layout = _gather_cache(str(tmp_path / "c.lmdb"), n, 0)
+    t = tree[7].__self__
+    plan, small = layout.native_plan, Buffers(layout, 2)
+    with pytest.raises(ValueError, match="shorter than its rows"):
+        t.gather([1, 2, 3], None, False, plan, small.flat, small.scalar_view, 0)
+    key_, struct_size, value_size, scalars_at, scalar_size, fields = plan
+    with pytest.raises(ValueError, match="do not tile"):
+        t.gather([1], None, False, (key_, struct_size, value_size + 1, scalars_at, scalar_size, fields), small.flat,
+                 small.scalar_view, 0)  # fmt: skip
+    with pytest.raises(TypeError):
+        t.gather([1], b"\0" * n, False, plan, small.flat, small.scalar_view, 0)
+    with pytest.raises(OverflowError):
+        t.gather([-1], None, False, plan, small.flat, small.scalar_view, 0)
+    verified = bytearray(n)
+    wrong_key = (key_[:-1] + bytes([key_[-1] ^ 1]), struct_size, value_size, scalars_at, scalar_size, fields)
+    assert t.gather([4, 5], verified, False, wrong_key, small.flat, small.scalar_view, 0) == (0, 1, 0)
+    assert verified == bytearray(n)
+    ds.close()
 
 
 @pytest.mark.skipif(_native.core is None, reason="the compiled core is not built")

@@ -178,8 +178,12 @@ def test_a_commit_by_another_process_is_seen_past_the_table(tmp_path: Any, pack:
 
 
 def _value_offset(ds: CachedDataset, index: int) -> int:
-    t = _tree(ds)[1]
-    code, _, blob = t.locate_batch([index], None, False)
+    """Where the value of ``index`` starts in the map, found by a walk down the tree (not through the table: a
+    table entry's first read checks its overflow page number, later reads in the snapshot do not)."""
+    assert core is not None
+    _, _, base, length, psize, root, depth, _ = _tree(ds)[0]
+    r = ds._live_store().reader  # type: ignore[attr-defined]
+    code, _, blob = core.locate_batch(base, length, psize, root, depth, [index], r._h._pack, r._h._length, None, False)
     assert code == 0
     return int.from_bytes(blob[:8], "little")
 
@@ -192,7 +196,8 @@ def _value_offset(ds: CachedDataset, index: int) -> int:
 def test_a_value_damaged_under_the_table_gives_the_clear_error(tmp_path: Any, side: int, pack: int, what: str) -> None:
     """Bytes of a value (alone: 3x80x80; in a group: 3x32x32; in a pack), or the number of the overflow page that
     holds it (its own, or its pack's), changed in the file under a built table, with no commit: ds[i] and the
-    loader raise the library's error for that index, never a crash; the bytes put back, it reads again."""
+    loader raise the library's error for that index, never a crash; the bytes put back, it reads again. (The page
+    number is checked at the entry's first read in the snapshot: test_a_checked_page_number_is_not_read_again.)"""
     path = str(tmp_path / "c.lmdb")
     n = 40
     source = Listed([(torch.full((3, side, side), i % 251, dtype=torch.uint8), i) for i in range(n)])
@@ -225,6 +230,38 @@ def test_a_value_damaged_under_the_table_gives_the_clear_error(tmp_path: Any, si
             os.pwrite(fd, old, where)
             os.close(fd)
         assert _bytes_of(ds[13]) == _bytes_of(source[13])
+        ds.close()
+
+
+@pytest.mark.parametrize(("side", "pack"), [(80, 0), (32, 8)])
+def test_a_checked_page_number_is_not_read_again(tmp_path: Any, side: int, pack: int) -> None:
+    """A table entry's overflow page number (its own, or its pack's) is checked at the entry's first read in the
+    snapshot and not at later ones (a second cache miss per value of a shuffled batch): changed after that read,
+    with no commit, the value still reads right; the span stays checked against the map on every read, and the
+    data checksum as the policy says."""
+    path = str(tmp_path / "c.lmdb")
+    n = 40
+    source = Listed([(torch.full((3, side, side), i % 251, dtype=torch.uint8), i) for i in range(n)])
+    ds = CachedDataset(source, path, pack=pack)
+    ds.__getitems__(list(range(n)))
+    ds.close()
+    with _threshold(*ALWAYS):
+        ds = CachedDataset.open(path, checksum="always")
+        ds[5]
+        tree = _tree(ds)[0]
+        offset = _value_offset(ds, 13)
+        if pack:
+            offset = _pack_record_offset(tree, ds._live_store().reader, 13)  # type: ignore[attr-defined]
+        assert _bytes_of(ds[13]) == _bytes_of(source[13])  # the entry's first read: checked
+        fd = os.open(os.path.join(path, "data.mdb"), os.O_RDWR)
+        try:
+            old = os.pread(fd, 1, offset - 16)
+            os.pwrite(fd, bytes([old[0] ^ 0xFF]), offset - 16)
+            assert _bytes_of(ds[13]) == _bytes_of(source[13])
+            assert _tree(ds)[0] is tree  # the same snapshot, its table
+        finally:
+            os.pwrite(fd, old, offset - 16)
+            os.close(fd)
         ds.close()
 
 

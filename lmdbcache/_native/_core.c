@@ -1175,16 +1175,16 @@ static void tree_index(TreeObject *t, uint64_t count, int force) {
 /* Once a pack's record has passed pack_value's checks (magic and count), every value of it that pack_value locates
  * is entered in the table as a slot (LOC_SLOT: the value's offset; its length and its start in the pack in the
  * size), so that a later read of any of them skips the pack's slots (a second epoch's batches, or a random read of
- * a pack read before, then read what an unpacked cache reads). The pack's overflow page number stays checked on
- * every read (LOC_UNCHECKED kept: the page's first bytes, found from the start). A slot that fails, or too long
+ * a pack read before, then read what an unpacked cache reads). The pack's overflow page number was checked by that
+ * first read (tree_locate), so a slot is entered checked: checked again at every read, it was a second cache miss
+ * per value of a shuffled batch (1M samples packed by 64: the loader +20%). A slot that fails, or too long
  * to enter, keeps its pack entry: its read meets pack_value's error as before. A Tree's snapshot never changes,
  * so the answers are the same. */
-static void table_resolve_pack(TreeObject *t, uint64_t first, uint64_t n, uint64_t offset, uint64_t size,
-                               uint64_t unchecked) {
+static void table_resolve_pack(TreeObject *t, uint64_t first, uint64_t n, uint64_t offset, uint64_t size) {
     for (uint64_t j = 0; j < n; j++) {
         uint64_t at, len;
         if (pack_value(&t->m, offset, size, j, n, &at, &len) == LK_OK && at - offset <= SLOT_MAX && len <= SLOT_MAX)
-            t->table[first + j] = (Loc){at, len | (at - offset) << SLOT_BITS | LOC_SLOT | unchecked};
+            t->table[first + j] = (Loc){at, len | (at - offset) << SLOT_BITS | LOC_SLOT};
     }
 }
 
@@ -1199,23 +1199,24 @@ static int tree_locate(TreeObject *t, uint64_t index, uint64_t *offset, uint64_t
             uint64_t len = sz & SLOT_MAX, start = sz >> SLOT_BITS & SLOT_MAX;
             /* Checked when entered (pack_value): again, as any entry; the pack's record starts at e.offset - start */
             if (len > t->m.len || e.offset > t->m.len - len || e.offset < PAGE_HEADER + start) return LK_OVERFLOW;
-            int rc = e.size & LOC_UNCHECKED ? overflow_header(&t->m, e.offset - start) : LK_OK;
-            if (rc) return rc;
             *offset = e.offset;
             *size = len;
             return LK_OK;
         }
         if (sz > t->m.len || e.offset > t->m.len - sz) return LK_OVERFLOW; /* checked by the walk: again */
+        /* An entry's overflow page number is checked at its first read in the snapshot (as a walk checks it), not
+         * again: LMDB never rewrites a snapshot's pages, and every span stays checked against the map. */
         int rc = e.size & LOC_UNCHECKED ? overflow_header(&t->m, e.offset) : LK_OK;
         if (rc) return rc;
         if (!(e.size & LOC_PACK)) {
+            t->table[index].size &= ~LOC_UNCHECKED;
             *offset = e.offset;
             *size = sz;
             return LK_OK;
         }
         uint64_t first = index - index % t->pack, n = t->length - first < t->pack ? t->length - first : t->pack;
         rc = pack_value(&t->m, e.offset, sz, index - first, n, offset, size);
-        if (rc == LK_OK) table_resolve_pack(t, first, n, e.offset, sz, e.size & LOC_UNCHECKED);
+        if (rc == LK_OK) table_resolve_pack(t, first, n, e.offset, sz); /* its page number checked above */
         return rc;
     }
     return locate_index(&t->m, t->root, t->depth, &t->groups, index, t->pack, t->length, offset, size);
@@ -1252,19 +1253,50 @@ static PyObject *tree_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
 }
 
 /* The spans of a batch (see locate_batch) located in ``t`` (its table when it has one), the GIL released. */
+/* The indices of ``indices`` (a list of ints) into the index field of n SPAN records at ``spans``. 0, or -1 with an
+ * exception set. */
+static int spans_of(PyObject *indices, uint8_t *spans, Py_ssize_t n) {
+    memset(spans, 0, (size_t)n * SPAN);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        uint64_t index = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(indices, k));
+        if (index == (uint64_t)-1 && PyErr_Occurred()) return -1;
+        memcpy(spans + k * SPAN + 16, &index, 8);
+    }
+    return 0;
+}
+
+/* Locate the n indices of ``spans`` in ``t`` and set each record's check flag from ``verified`` (its bytes, or NULL
+ * when none is kept). LK_OK, or the error of record ``*at``. Runs without the GIL, the store's lock held. */
+static int locate_rows(TreeObject *t, uint8_t *spans, Py_ssize_t n, const Py_buffer *verified, int always,
+                       Py_ssize_t *at) {
+    tree_index(t, (uint64_t)n, 0);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        uint8_t *rec = spans + k * SPAN;
+        uint64_t index, offset = 0, size = 0;
+        memcpy(&index, rec + 16, 8);
+        int rc = tree_locate(t, index, &offset, &size);
+        if (rc) {
+            *at = k;
+            return rc;
+        }
+        if (t->advise_min && size >= t->advise_min) advise_if_cold(&t->m, offset, size);
+        memcpy(rec, &offset, 8);
+        memcpy(rec + 8, &size, 8);
+        rec[24] = always || verified == NULL || index >= (uint64_t)verified->len ||
+                  !((const uint8_t *)verified->buf)[index];
+    }
+    *at = 0;
+    return LK_OK;
+}
+
 static PyObject *batch_spans(TreeObject *t, PyObject *indices, PyObject *verified, int always) {
     Py_ssize_t n = PyList_GET_SIZE(indices);
     PyObject *blob = PyByteArray_FromStringAndSize(NULL, n * SPAN);
     if (blob == NULL) return NULL;
     uint8_t *spans = (uint8_t *)PyByteArray_AS_STRING(blob);
-    memset(spans, 0, (size_t)n * SPAN);
-    for (Py_ssize_t k = 0; k < n; k++) {
-        uint64_t index = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(indices, k));
-        if (index == (uint64_t)-1 && PyErr_Occurred()) {
-            Py_DECREF(blob);
-            return NULL;
-        }
-        memcpy(spans + k * SPAN + 16, &index, 8);
+    if (spans_of(indices, spans, n) < 0) {
+        Py_DECREF(blob);
+        return NULL;
     }
     Py_buffer vb = {0};
     int have_verified = verified != Py_None;
@@ -1272,24 +1304,13 @@ static PyObject *batch_spans(TreeObject *t, PyObject *indices, PyObject *verifie
         Py_DECREF(blob);
         return NULL;
     }
-    int rc = LK_OK;
+    int rc;
     Py_ssize_t k;
     Py_BEGIN_ALLOW_THREADS
-    tree_index(t, (uint64_t)n, 0);
-    for (k = 0; k < n; k++) {
-        uint8_t *rec = spans + k * SPAN;
-        uint64_t index, offset = 0, size = 0;
-        memcpy(&index, rec + 16, 8);
-        rc = tree_locate(t, index, &offset, &size);
-        if (rc) break;
-        if (t->advise_min && size >= t->advise_min) advise_if_cold(&t->m, offset, size);
-        memcpy(rec, &offset, 8);
-        memcpy(rec + 8, &size, 8);
-        rec[24] = always || !have_verified || index >= (uint64_t)vb.len || !((const uint8_t *)vb.buf)[index];
-    }
+    rc = locate_rows(t, spans, n, have_verified ? &vb : NULL, always, &k);
     Py_END_ALLOW_THREADS
     if (have_verified) PyBuffer_Release(&vb);
-    return Py_BuildValue("inN", rc, rc ? k : (Py_ssize_t)0, blob);
+    return Py_BuildValue("inN", rc, k, blob);
 }
 
 static PyObject *py_locate_batch(PyObject *self, PyObject *args) {
@@ -1926,7 +1947,15 @@ static PyObject *py_address(PyObject *self, PyObject *arg) {
     return PyLong_FromUnsignedLongLong((unsigned long long)at);
 }
 
+PyDoc_STRVAR(tree_gather_doc,
+             "gather(indices, verified, always, plan, dests, scalar_dest, big, /) -> (code, status, at)\n\n"
+             "locate_batch() of ``indices`` in this tree, then fill() of all its rows and, when every row was\n"
+             "copied, mark_verified(verified, spans, big): one call, the GIL released once. code is\n"
+             "locate_batch's (``at``: its index's position); when it is 0, status is fill's (``at``: its row).");
+static PyObject *tree_gather(PyObject *self, PyObject *args);
+
 static PyMethodDef tree_methods[] = {
+    {"gather", tree_gather, METH_VARARGS, tree_gather_doc},
     {"value", tree_value, METH_O, tree_value_doc},
     {"sample", (PyCFunction)(void (*)(void))tree_sample, METH_FASTCALL, tree_sample_doc},
     {"locate_batch", tree_locate_batch, METH_VARARGS, tree_locate_batch_doc},
@@ -1963,6 +1992,109 @@ PyDoc_STRVAR(py_fill_doc,
  * the map, so each one's first line is a cache (and TLB) miss the copy of the one before can hide. */
 #define FILL_AHEAD 4
 
+/* A fill's plan and destination buffers, taken from Python and checked (fill_prepare) before the GIL is released. */
+typedef struct {
+    Py_buffer key, out[MAX_FIELDS], scalars;
+    uint64_t struct_size, value_size, scalars_at, scalar_size, pos[MAX_FIELDS], nbytes[MAX_FIELDS];
+    Py_ssize_t nfields;
+} Fill;
+
+static void fill_release(Fill *f, Py_ssize_t got) {
+    for (Py_ssize_t k = 0; k < got; k++) PyBuffer_Release(&f->out[k]);
+    if (f->scalars.obj) PyBuffer_Release(&f->scalars);
+    PyBuffer_Release(&f->key);
+}
+
+/* Take ``plan`` (see fill's doc), one writable buffer per field in ``dests`` and the scalar staging rows, each long
+ * enough for ``rows`` rows. 0, or -1 with an exception set and nothing held. */
+static int fill_prepare(Fill *f, PyObject *plan, PyObject *dests, PyObject *scalar_obj, Py_ssize_t rows) {
+    PyObject *positions;
+    memset(f, 0, sizeof(*f));
+    if (!PyArg_ParseTuple(plan, "y*KKKKO!:fill plan", &f->key, &f->struct_size, &f->value_size, &f->scalars_at,
+                          &f->scalar_size, &PyTuple_Type, &positions))
+        return -1;
+    Py_ssize_t nfields = f->nfields = PyTuple_GET_SIZE(positions), got = 0;
+    uint64_t hi = (uint64_t)rows;
+    if (nfields > MAX_FIELDS || nfields != PyList_GET_SIZE(dests)) {
+        PyErr_SetString(PyExc_ValueError, "fill: fields, destinations and rows do not agree");
+        goto fail;
+    }
+    for (got = 0; got < nfields; got++) {
+        PyObject *field = PyTuple_GET_ITEM(positions, got);
+        if (!PyArg_ParseTuple(field, "KK", &f->pos[got], &f->nbytes[got])) goto fail;
+        if (PyObject_GetBuffer(PyList_GET_ITEM(dests, got), &f->out[got], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            goto fail;
+        /* Every row written must lie in its buffer, checked here, before the GIL is released. */
+        if (f->nbytes[got] && (uint64_t)f->out[got].len / f->nbytes[got] < hi) {
+            PyErr_SetString(PyExc_ValueError, "fill: a destination buffer is shorter than its rows");
+            got++;
+            goto fail;
+        }
+    }
+    if (PyObject_GetBuffer(scalar_obj, &f->scalars, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto fail;
+    if (f->scalar_size && (uint64_t)f->scalars.len / f->scalar_size < hi) {
+        PyErr_SetString(PyExc_ValueError, "fill: the scalar staging buffer is shorter than its rows");
+        goto fail;
+    }
+    /* The plan must describe values that hold every field it copies (Layout checks it; checked again). */
+    /* Every sum is kept below value_size as it grows (no wraparound), so every copy stays in the value. */
+    uint64_t value_size = f->value_size, end = 24 + f->struct_size;
+    int tiled = value_size >= 24 && f->struct_size <= value_size - 24;
+    for (Py_ssize_t k = 0; k < nfields && tiled; k++) {
+        tiled = f->pos[k] == end && f->nbytes[k] <= value_size - end;
+        end += f->nbytes[k];
+    }
+    if (!tiled || end != value_size || f->scalar_size > value_size || f->scalars_at > value_size - f->scalar_size ||
+        (uint64_t)f->key.len + 25 > value_size) {
+        PyErr_SetString(PyExc_ValueError, "fill: the plan's fields do not tile its value");
+        goto fail;
+    }
+    return 0;
+fail:
+    fill_release(f, got);
+    return -1;
+}
+
+/* Copy the values of spans rows lo:hi into rows lo:hi of ``f``'s buffers: FILL_OK, or the outcome of ``*row``.
+ * Runs without the GIL: every buffer was checked by fill_prepare, every span is checked against the map here. */
+static int fill_rows(const Map *m, const Fill *f, const uint8_t *spans, Py_ssize_t lo, Py_ssize_t hi,
+                     Py_ssize_t *row) {
+    const uint8_t *key = f->key.buf;
+    uint64_t klen = (uint64_t)f->key.len;
+    for (Py_ssize_t j = lo; j < hi; j++) {
+        const uint8_t *rec = spans + j * SPAN;
+        uint64_t offset = le64(rec), size = le64(rec + 8), index = le64(rec + 16);
+        int check = rec[24];
+        *row = j;
+        if (offset > m->len || size > m->len - offset) return FILL_SPAN;
+        if (j + FILL_AHEAD < hi) { /* a later value's header: its first touch is a cache miss, taken meanwhile */
+            uint64_t ahead = le64(spans + (j + FILL_AHEAD) * SPAN);
+            if (ahead < m->len) __builtin_prefetch(m->base + ahead);
+        }
+        const uint8_t *v = m->base + offset;
+        /* Header: "LMC\x02", u32 structure size, u64 structure and data checksums; then 0xC1 and the
+         * signature (u16 length + bytes): the plan's key. Another form: the caller's other path. */
+        if (size < 27 || memcmp(v, "LMC\x02", 4) || v[24] != 0xC1 || (uint64_t)le16(v + 25) + 2 != klen ||
+            size < 25 + klen || memcmp(v + 25, key, (size_t)klen))
+            return FILL_OTHER;
+        uint64_t ssize = le32(v + 4);
+        uint64_t hashed = 24 + ssize < size ? ssize : size - 24; /* as Python slices mv[24:24 + size] */
+        if (xxh3_64(v + 24, hashed, index) != le64(v + 8)) return FILL_STRUCTURE;
+        if (ssize != f->struct_size || size != f->value_size) return FILL_LENGTHS;
+        uint64_t digest = index;
+        for (Py_ssize_t k = 0; k < f->nfields; k++) {
+            uint8_t *out = (uint8_t *)f->out[k].buf + (uint64_t)j * f->nbytes[k];
+            if (check) digest = xxh3_64_copy(out, v + f->pos[k], f->nbytes[k], digest); /* of the copy: the batch's */
+            else memcpy(out, v + f->pos[k], f->nbytes[k]);
+        }
+        if (check && digest != le64(v + 16)) return FILL_DATA;
+        if (f->scalar_size)
+            memcpy((uint8_t *)f->scalars.buf + (uint64_t)j * f->scalar_size, v + f->scalars_at, f->scalar_size);
+    }
+    *row = 0;
+    return FILL_OK;
+}
+
 static PyObject *py_fill(PyObject *self, PyObject *args) {
     unsigned long long base, len;
     Py_ssize_t lo, hi;
@@ -1972,123 +2104,29 @@ static PyObject *py_fill(PyObject *self, PyObject *args) {
                           &plan, &PyList_Type, &dests, &scalar_obj))
         return NULL;
     if (map_from(&m, base, len, 4096) < 0) return NULL;
-    Py_buffer key;
-    unsigned long long struct_size, value_size, scalars_at, scalar_size;
-    PyObject *positions;
-    if (!PyArg_ParseTuple(plan, "y*KKKKO!:fill plan", &key, &struct_size, &value_size, &scalars_at, &scalar_size,
-                          &PyTuple_Type, &positions))
-        return NULL;
-    Py_ssize_t nfields = PyTuple_GET_SIZE(positions);
-    Py_ssize_t nspans = PyByteArray_GET_SIZE(blob) / SPAN;
-    uint64_t pos[MAX_FIELDS], nbytes[MAX_FIELDS];
-    Py_buffer out[MAX_FIELDS], scalars = {0};
-    Py_ssize_t got = 0;
-    int ok = 0;
-    if (nfields > MAX_FIELDS || nfields != PyList_GET_SIZE(dests) || lo < 0 || lo > hi || hi > nspans) {
+    if (lo < 0 || lo > hi || hi > PyByteArray_GET_SIZE(blob) / SPAN) {
         PyErr_SetString(PyExc_ValueError, "fill: fields, destinations and rows do not agree");
-        goto done;
-    }
-    for (got = 0; got < nfields; got++) {
-        PyObject *field = PyTuple_GET_ITEM(positions, got);
-        if (!PyArg_ParseTuple(field, "KK", &pos[got], &nbytes[got])) goto done;
-        if (PyObject_GetBuffer(PyList_GET_ITEM(dests, got), &out[got], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-            goto done;
-        /* Every row written must lie in its buffer, checked here, before the GIL is released. */
-        if (nbytes[got] && (uint64_t)out[got].len / nbytes[got] < (uint64_t)hi) {
-            PyErr_SetString(PyExc_ValueError, "fill: a destination buffer is shorter than its rows");
-            got++;
-            goto done;
-        }
-    }
-    if (PyObject_GetBuffer(scalar_obj, &scalars, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
-    if (scalar_size && (uint64_t)scalars.len / scalar_size < (uint64_t)hi) {
-        PyErr_SetString(PyExc_ValueError, "fill: the scalar staging buffer is shorter than its rows");
-        goto done;
-    }
-    /* The plan must describe values that hold every field it copies (Layout checks it; checked again). */
-    /* Every sum is kept below value_size as it grows (no wraparound), so every copy stays in the value. */
-    int tiled = value_size >= 24 && struct_size <= value_size - 24;
-    uint64_t end = 24 + struct_size;
-    for (Py_ssize_t f = 0; f < nfields && tiled; f++) {
-        tiled = pos[f] == end && nbytes[f] <= value_size - end;
-        end += nbytes[f];
-    }
-    if (!tiled || end != value_size || scalar_size > value_size || scalars_at > value_size - scalar_size ||
-        (uint64_t)key.len + 25 > value_size) {
-        PyErr_SetString(PyExc_ValueError, "fill: the plan's fields do not tile its value");
-        goto done;
-    }
-    ok = 1;
-done:
-    if (!ok) {
-        for (Py_ssize_t f = 0; f < got; f++) PyBuffer_Release(&out[f]);
-        if (scalars.obj) PyBuffer_Release(&scalars);
-        PyBuffer_Release(&key);
         return NULL;
     }
+    Fill f;
+    if (fill_prepare(&f, plan, dests, scalar_obj, hi) < 0) return NULL;
     /* An export of the spans keeps them from being resized or freed by another thread while the GIL is
      * released (a bytearray refuses to resize while exported); their length was checked above. */
     Py_buffer held = {0};
     if (PyObject_GetBuffer(blob, &held, PyBUF_SIMPLE) < 0 || held.len < hi * SPAN) {
         if (held.obj) PyBuffer_Release(&held);
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "fill: the spans changed size");
-        for (Py_ssize_t f = 0; f < got; f++) PyBuffer_Release(&out[f]);
-        PyBuffer_Release(&scalars);
-        PyBuffer_Release(&key);
+        fill_release(&f, f.nfields);
         return NULL;
     }
-    const uint8_t *spans = (const uint8_t *)held.buf;
-    int status = FILL_OK;
-    Py_ssize_t j;
+    int status;
+    Py_ssize_t row;
     Py_BEGIN_ALLOW_THREADS
-    for (j = lo; j < hi; j++) {
-        const uint8_t *rec = spans + j * SPAN;
-        uint64_t offset = le64(rec), size = le64(rec + 8), index = le64(rec + 16);
-        int check = rec[24];
-        if (offset > m.len || size > m.len - offset) {
-            status = FILL_SPAN;
-            break;
-        }
-        if (j + FILL_AHEAD < hi) { /* a later value's header: its first touch is a cache miss, taken meanwhile */
-            uint64_t ahead = le64(spans + (j + FILL_AHEAD) * SPAN);
-            if (ahead < m.len) __builtin_prefetch(m.base + ahead);
-        }
-        const uint8_t *v = m.base + offset;
-        /* Header: "LMC\x02", u32 structure size, u64 structure and data checksums; then 0xC1 and the
-         * signature (u16 length + bytes): the plan's key. Another form: the caller's other path. */
-        if (size < 27 || memcmp(v, "LMC\x02", 4) || v[24] != 0xC1 || (uint64_t)le16(v + 25) + 2 != (uint64_t)key.len ||
-            size < 25 + (uint64_t)key.len || memcmp(v + 25, key.buf, (size_t)key.len)) {
-            status = FILL_OTHER;
-            break;
-        }
-        uint64_t ssize = le32(v + 4);
-        uint64_t hashed = 24 + ssize < size ? ssize : size - 24; /* as Python slices mv[24:24 + size] */
-        if (xxh3_64(v + 24, hashed, index) != le64(v + 8)) {
-            status = FILL_STRUCTURE;
-            break;
-        }
-        if (ssize != struct_size || size != value_size) {
-            status = FILL_LENGTHS;
-            break;
-        }
-        uint64_t digest = index;
-        for (Py_ssize_t f = 0; f < nfields; f++) {
-            uint8_t *row = (uint8_t *)out[f].buf + (uint64_t)j * nbytes[f];
-            if (check) digest = xxh3_64_copy(row, v + pos[f], nbytes[f], digest); /* of the copy: the batch's */
-            else memcpy(row, v + pos[f], nbytes[f]);
-        }
-        if (check && digest != le64(v + 16)) {
-            status = FILL_DATA;
-            break;
-        }
-        if (scalar_size) memcpy((uint8_t *)scalars.buf + (uint64_t)j * scalar_size, v + scalars_at, scalar_size);
-    }
+    status = fill_rows(&m, &f, (const uint8_t *)held.buf, lo, hi, &row);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&held);
-    for (Py_ssize_t f = 0; f < nfields; f++) PyBuffer_Release(&out[f]);
-    PyBuffer_Release(&scalars);
-    PyBuffer_Release(&key);
-    return Py_BuildValue("in", status, status ? j : (Py_ssize_t)0);
+    fill_release(&f, f.nfields);
+    return Py_BuildValue("in", status, row);
 }
 
 PyDoc_STRVAR(py_mark_verified_doc,
@@ -2096,21 +2134,64 @@ PyDoc_STRVAR(py_mark_verified_doc,
              "For each span with check set whose index is inside ``verified`` (a bytearray), set its byte:\n"
              "2 for a value of ``big`` bytes or more, else 1 (lmdbcache.store._read._mark).");
 
-static PyObject *py_mark_verified(PyObject *self, PyObject *args) {
-    PyObject *verified, *blob;
-    unsigned long long big;
-    if (!PyArg_ParseTuple(args, "O!O!K:mark_verified", &PyByteArray_Type, &verified, &PyByteArray_Type, &blob, &big))
-        return NULL;
-    uint8_t *flags = (uint8_t *)PyByteArray_AS_STRING(verified);
-    uint64_t nflags = (uint64_t)PyByteArray_GET_SIZE(verified);
-    const uint8_t *spans = (const uint8_t *)PyByteArray_AS_STRING(blob);
-    Py_ssize_t n = PyByteArray_GET_SIZE(blob) / SPAN;
+/* Set the verified byte of each of the n spans whose check flag is set (see mark_verified). */
+static void mark_rows(uint8_t *flags, uint64_t nflags, const uint8_t *spans, Py_ssize_t n, uint64_t big) {
     for (Py_ssize_t k = 0; k < n; k++) {
         const uint8_t *rec = spans + k * SPAN;
         uint64_t index = le64(rec + 16);
         if (rec[24] && index < nflags) flags[index] = le64(rec + 8) >= big ? 2 : 1;
     }
+}
+
+static PyObject *py_mark_verified(PyObject *self, PyObject *args) {
+    PyObject *verified, *blob;
+    unsigned long long big;
+    if (!PyArg_ParseTuple(args, "O!O!K:mark_verified", &PyByteArray_Type, &verified, &PyByteArray_Type, &blob, &big))
+        return NULL;
+    mark_rows((uint8_t *)PyByteArray_AS_STRING(verified), (uint64_t)PyByteArray_GET_SIZE(verified),
+              (const uint8_t *)PyByteArray_AS_STRING(blob), PyByteArray_GET_SIZE(blob) / SPAN, big);
     Py_RETURN_NONE;
+}
+
+/* Tree.gather: locate_batch, fill and mark_verified of a whole batch in one call, the GIL released once. */
+static PyObject *tree_gather(PyObject *self, PyObject *args) {
+    TreeObject *t = (TreeObject *)self;
+    PyObject *indices, *verified, *plan, *dests, *scalar_obj;
+    int always;
+    unsigned long long big;
+    if (!PyArg_ParseTuple(args, "O!OpO!O!OK:gather", &PyList_Type, &indices, &verified, &always, &PyTuple_Type, &plan,
+                          &PyList_Type, &dests, &scalar_obj, &big))
+        return NULL;
+    if (verified != Py_None && !PyByteArray_Check(verified)) {
+        PyErr_SetString(PyExc_TypeError, "gather: verified must be a bytearray or None");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(indices);
+    uint8_t stack[64 * SPAN];
+    uint8_t *spans = n <= 64 ? stack : PyMem_Malloc((size_t)n * SPAN);
+    if (spans == NULL) return PyErr_NoMemory();
+    Fill f;
+    Py_buffer vb = {0};
+    PyObject *out = NULL;
+    if (spans_of(indices, spans, n) < 0 || fill_prepare(&f, plan, dests, scalar_obj, n) < 0) goto done;
+    /* An export keeps the bytearray from being resized by another thread while the GIL is released. */
+    if (verified != Py_None && PyObject_GetBuffer(verified, &vb, PyBUF_SIMPLE) < 0) {
+        fill_release(&f, f.nfields);
+        goto done;
+    }
+    int rc, status = FILL_OK;
+    Py_ssize_t at;
+    Py_BEGIN_ALLOW_THREADS
+    rc = locate_rows(t, spans, n, vb.obj ? &vb : NULL, always, &at);
+    if (rc == LK_OK) status = fill_rows(&t->m, &f, spans, 0, n, &at);
+    Py_END_ALLOW_THREADS
+    if (rc == LK_OK && status == FILL_OK && vb.obj) mark_rows(vb.buf, (uint64_t)vb.len, spans, n, big);
+    if (vb.obj) PyBuffer_Release(&vb);
+    fill_release(&f, f.nfields);
+    out = Py_BuildValue("iin", rc, status, at);
+done:
+    if (spans != stack) PyMem_Free(spans);
+    return out;
 }
 
 /* ------------------------------------------------------------------------------------------

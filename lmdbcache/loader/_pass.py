@@ -27,6 +27,7 @@ import torch
 import xxhash
 from torch.utils.data import default_collate
 
+from .._native.batch import Spans
 from ..errors import StrayStopIterationError, add_note
 from ..store._store import MISSING
 from ._gather import Buffers, Layout, layout_of
@@ -198,6 +199,7 @@ class Pass:
         self.replaced = False  # set by the Loader when a newer pass of it starts (see ``ended``)
         self.key: tuple[Any, ...] = ()  # ``Spare``: what the Loader made ``batches`` of
         self.small, self.built = True, 0  # every batch built so far was copied from the map under INLINE bytes
+        self.last: Layout | None = None  # the layout of the last small batch the compiled core located
         self.threads: set[int] = set()  # the pool's threads (see ``stop``)
         self.pool = ThreadPoolExecutor(spec.num_threads, "lmdbcache-copy", _note_thread, (self.threads,))
         self.owner: Any = None  # ``Spare``: the pass that started this one ahead; held: its owner begins it
@@ -294,9 +296,18 @@ class Pass:
             return None, []
         if not spec.own_order:
             indices = ds.checked_indices(indices)  # a sampler may give numpy or negative indices, or bad ones
+        last = self.last
+        if last is not None and last.sample_bytes * len(indices) < INLINE:  # the compiled core's one call
+            buffers = spec.ring.acquire(last, len(indices))
+            try:
+                if ds.fill_batch(indices, last.native_plan, buffers.flat, buffers.scalar_view):
+                    return buffers.batch(len(indices)), [buffers]
+                self.last = None  # not all of that layout, or something to say: the path below reads it
+            finally:
+                buffers.busy = False
         taken: list[Buffers] = []
 
-        def copy(views: list[Any], checks: list[bool]) -> Any:
+        def copy(views: Any, checks: Any) -> Any:  # lists, or the core's Spans and Checks
             layout = layout_of(views[0], indices[0], spec.layouts)
             if layout is None:
                 return None
@@ -304,7 +315,11 @@ class Pass:
             taken.append(buffers)
             n, parts = len(views), min(spec.num_threads, len(views))
             if layout.sample_bytes * n < INLINE:
-                return buffers.batch(n) if buffers.fill(views, checks, indices, 0, n) else None
+                if not buffers.fill(views, checks, indices, 0, n):
+                    return None
+                if type(views) is Spans:  # located by the core: the next batch takes its one call (above)
+                    self.last = layout
+                return buffers.batch(n)
             self.small = False
             bounds = [n * p // parts for p in range(parts + 1)]
             futures: list[Future[bool]] = [

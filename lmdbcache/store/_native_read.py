@@ -14,7 +14,10 @@ views: so the two paths raise the same errors, worded by the same code.
 value of the batch in the read transaction's snapshot (the core walks LMDB's pages itself, every
 page and span checked against the mapped file), and ``copy_native`` hands the spans to the
 loader's copy, marking what it verified. None from ``native_spans`` means the Python path reads
-the batch as before (no map address known here, or the snapshot kept moving).
+the batch as before (no map address known here, or the snapshot kept moving). ``native_fill`` is
+the loader's shortcut for a batch of a flat layout it met before: located, checked, copied into its
+buffers and marked verified in one call (``core.Tree.gather``); anything short of every row copied
+is left to ``read_batch``, which reads the batch again and says what was wrong.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from ._guard import PREFETCH_MIN
 from ._handle import Handle
 from ._lmdb_errors import REBUILD
 
-__all__ = ["MISSING", "copy_native", "decode_new", "native_lookup", "native_spans", "native_tree"]
+__all__ = ["MISSING", "copy_native", "decode_new", "native_fill", "native_lookup", "native_spans", "native_tree"]
 
 MISSING: Any = type("Missing", (), {"__repr__": lambda self: "MISSING"})()
 if _native.core is not None:
@@ -92,6 +95,19 @@ def native_spans(r: Hits, txn: lmdb.Transaction, indices: list[int], always: boo
         if attempt == 0:
             tree = _refound(r, tree)
     raise _damage(r, code, indices[k], tree)
+
+
+def native_fill(
+    r: Hits, txn: lmdb.Transaction, indices: list[int], always: bool, plan: Any, dests: list[Any], scalars: Any
+) -> bool:
+    """True when the core located, checked and copied every value of ``indices`` into ``dests`` and ``scalars``
+    (``Buffers.fill``'s, for the layout of ``plan``), marking those it verified; False: nothing is known, and
+    ``read_batch`` reads the batch (a miss, another form, damage, or no map address here)."""
+    tree = native_tree(r, txn)
+    if tree[1] is None:
+        return False
+    code, status, _ = tree[7].__self__.gather(indices, r._verified, always, plan, dests, scalars, PREFETCH_MIN)
+    return bool(code == _native.OK and status == 0)
 
 
 def native_tree(r: Hits, txn: lmdb.Transaction) -> tuple[Any, ...]:

@@ -1,23 +1,19 @@
 """The read path: hits out of LMDB's memory map, checked as the store's checksum policy says.
 
-A hit is the hot path (``get``): one lock, a read transaction kept between hits (renewed
-every ``_READER_MAX_AGE`` seconds and on any miss, so it never pins old pages for long),
-a cursor lookup, and ``codec.decode`` with its one copy out of the map. The value's
-structure and its binding to the index are checked on every read; its record's bounds
-(``_guard``) and its data checksum the first time this process reads the index
-(``checksum="once"``, one flag byte per index), or the data checksum on every read
-(``"always"``). While reads are seen to be cold (two in a row took over ``_COLD`` seconds), a large
-value (``_guard.PREFETCH_MIN`` bytes or more; flag byte 2 once verified) is looked up with a
-cursor and announced to the kernel before it is touched, so it is read in one I/O rather than
-a page fault per 4 KiB (issue #14). Warm, the advice would cost a 147 KiB read half its speed
-(a syscall walking 37 cached pages), so after ``_COLD_RUN`` fast reads it stops again.
-With the compiled core (``lmdbcache._native``; ``_native_read``), a hit is read in one C call
-instead (``core.Tree.sample`` in the samples tree the core found once per kept transaction, packs
-included, every page and span checked against the map on every read): a flat value comes back
-decoded and checked as above, any other a view for ``decode``; everything else above (flags,
-checksums, misses, errors) is the same.
-A miss is looked up again in a fresh snapshot (unless its own is the newest) and in this process's
-commit queue before it is reported ``MISSING``.
+A hit is the hot path (``get``): one lock, a read transaction kept between hits (renewed every ``_READER_MAX_AGE``
+seconds and on any miss, so it never pins old pages for long), a cursor lookup, and ``codec.decode`` with its one
+copy out of the map. The value's structure and its binding to the index are checked on every read; its record's
+bounds (``_guard``) and its data checksum the first time this process reads the index (``checksum="once"``, one flag
+byte per index), or the data checksum on every read (``"always"``). While reads are seen to be cold (two in a row
+took over ``_COLD`` seconds), a large value (``_guard.PREFETCH_MIN`` bytes or more; flag byte 2 once verified) is
+looked up with a cursor and announced to the kernel before it is touched, so it is read in one I/O rather than a
+page fault per 4 KiB (issue #14). Warm, the advice would cost a 147 KiB read half its speed (a syscall walking 37
+cached pages), so after ``_COLD_RUN`` fast reads it stops again. With the compiled core (``lmdbcache._native``;
+``_native_read``), a hit is read in one C call instead (``core.Tree.sample`` in the samples tree the core found once
+per kept transaction, packs included, every page and span checked against the map on every read): a flat value comes
+back decoded and checked as above, any other a view for ``decode``; everything else above (flags, checksums, misses,
+errors) is the same. A miss is looked up again in a fresh snapshot (unless its own is the newest) and in this
+process's commit queue before it is reported ``MISSING``.
 
 Packs (``_pack``): with packing on, a small value is looked up in its chunk's pack first, then
 as a single record; its span is checked against the pack's header (and the record's bounds
@@ -47,7 +43,7 @@ from ._groups import deref as _deref
 from ._guard import PREFETCH_MIN
 from ._handle import Handle
 from ._lmdb_errors import REBUILD, translate
-from ._native_read import MISSING, copied, copy_native, native_lookup, native_spans, native_tree
+from ._native_read import MISSING, copied, copy_native, native_fill, native_lookup, native_spans, native_tree
 
 __all__ = ["MISSING", "Reader"]
 
@@ -361,6 +357,15 @@ class Reader:
                 for k, sample in zip(misses, found):
                     out[k] = sample
         return out
+
+    def fill_batch(
+        self, indices: list[int], always: bool, build: str | None, plan: Any, dests: list[Any], scalars: Any
+    ) -> bool:
+        """``native_fill`` under the lock and one read transaction (False: take ``read_batch``)."""
+        with self._lock:
+            if build is not None and build != self._h.build:
+                raise self._h.mismatch(build)
+            return _native.core is not None and native_fill(self, self._reader(), indices, always, plan, dests, scalars)
 
     def read_batch(
         self, indices: list[int], always: bool, build: str | None, copy: Callable[[list[Any], list[bool]], Any]
