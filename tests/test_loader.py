@@ -76,20 +76,25 @@ def test_batches_equal_dataloader(cache_dir, kind, shuffle, drop_last, copies, r
 
 @pytest.mark.parametrize(("shuffle", "drop_last"), [(False, False), (True, False), (True, True)])
 def test_an_epochs_batches_are_dataloaders_index_lists(cache_dir, shuffle, drop_last):
-    """``Loader.batches(e)`` (made a list per batch only when asked for) holds DataLoader's batches of indices, as
-    lists of Python ints, with a sequence's indexing: negative, slices, IndexError past the end, equality."""
+    """``Loader.batches(e)`` holds DataLoader's batches of indices as lists of Python ints; what a pass walks
+    (``_sequence``: each batch made when asked for) holds the same, with a list's indexing: negative, slices,
+    IndexError past the end, TypeError for a float, equality."""
     ds = CachedDataset(Synthetic(50), cache_dir)
     for epoch in (0, 3):
         g = torch.Generator().manual_seed(5 + epoch)
         want = list(DataLoader(range(50), 16, shuffle=shuffle, drop_last=drop_last, generator=g))
         want = [[int(i) for i in b] for b in want]
-        got = ds.loader(16, shuffle=shuffle, drop_last=drop_last, seed=5).batches(epoch)
+        loader = ds.loader(16, shuffle=shuffle, drop_last=drop_last, seed=5)
+        assert loader.batches(epoch) == want and type(loader.batches(epoch)) is list  # the public form: lists
+        got = loader._sequence(epoch)  # what a pass walks: each batch made when asked for
         assert len(got) == len(want) and list(got) == want and got == want
         assert all(type(i) is int for b in got for i in b)
         assert got[-1] == want[-1] and got[1:] == want[1:] and got[::-2] == want[::-2]
-        with pytest.raises(IndexError):
+        with pytest.raises(IndexError, match="out of range"):
             got[len(want)]
-    sampled = ds.loader(16, sampler=[2**70, -1, 3]).batches(0)  # a sampler's values are kept as given
+        with pytest.raises(TypeError):
+            got[1.0]
+    sampled = ds.loader(16, sampler=[2**70, -1, 3])._sequence(0)  # a sampler's values are kept as given
     assert list(sampled) == [[2**70, -1, 3]]
 
 

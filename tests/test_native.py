@@ -548,6 +548,8 @@ def test_gather_refuses_bad_arguments_and_reports_damage_without_marking(tmp_pat
         t.gather([1], b"\0" * n, False, plan, small.flat, small.scalar_view, 0)
     with pytest.raises(OverflowError):
         t.gather([-1], None, False, plan, small.flat, small.scalar_view, 0)
+    with pytest.raises(TypeError, match="field"):  # not SystemError (the attack's finding)
+        t.gather([1], None, False, (*plan[:5], (1,)), small.flat, small.scalar_view, 0)
     verified = bytearray(n)
     wrong_key = (key_[:-1] + bytes([key_[-1] ^ 1]), struct_size, value_size, scalars_at, scalar_size, fields)
     assert t.gather([4, 5], verified, False, wrong_key, small.flat, small.scalar_view, 0) == (0, 1, 0)

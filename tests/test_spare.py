@@ -256,13 +256,13 @@ def test_iter_takes_the_pass_aheads_batches_instead_of_building_the_order_again(
     ds = cached(tmp_path / "c", n=24)
     loader = Loader(ds, 8, shuffle=True, seed=3, augment=STEPS)
     assert len(batches(loader)) == 3
-    real, calls = loader.batches, []
+    real, calls = loader._sequence, []
 
     def counted(epoch: int) -> list[list[int]]:
         calls.append(epoch)
         return real(epoch)
 
-    loader.batches = counted  # type: ignore[method-assign]
+    loader._sequence = counted  # type: ignore[method-assign]
     assert same(batches(loader), fresh(ds, 1))
     assert calls == [2]  # epoch 2's, for its pass ahead; epoch 1's came with its pass ahead
     loader.set_epoch(1)  # stops epoch 2's pass ahead: epoch 1 is built afresh, its order too

@@ -2039,6 +2039,10 @@ static int fill_prepare(Fill *f, PyObject *plan, PyObject *dests, PyObject *scal
     }
     for (got = 0; got < nfields; got++) {
         PyObject *field = PyTuple_GET_ITEM(positions, got);
+        if (!PyTuple_Check(field)) { /* PyArg_ParseTuple would raise SystemError for it */
+            PyErr_SetString(PyExc_TypeError, "fill plan: each field is a (position, length) tuple");
+            goto fail;
+        }
         if (!PyArg_ParseTuple(field, "KK", &f->pos[got], &f->nbytes[got])) goto fail;
         if (PyObject_GetBuffer(PyList_GET_ITEM(dests, got), &f->out[got], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
             goto fail;

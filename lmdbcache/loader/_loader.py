@@ -283,8 +283,12 @@ class Loader:
         torch.empty((), dtype=torch.int64).random_(generator=g)  # the DataLoader iterator's base seed comes first
         return torch.randperm(n, generator=g).numpy()
 
-    def batches(self, epoch: int) -> Sequence[list[int]]:
-        """This rank's batches of indices for ``epoch`` (a sequence of lists of ints)."""
+    def batches(self, epoch: int) -> list[list[int]]:
+        """This rank's batches of indices for ``epoch``."""
+        return list(self._sequence(epoch))
+
+    def _sequence(self, epoch: int) -> Sequence[list[int]]:
+        """``batches(epoch)``, each batch made when asked for (``Batches``) unless a batch_sampler gives them."""
         if self.batch_sampler is not None:
             batches = [[int(i) for i in b] for b in epoch_of(self.batch_sampler, epoch)]
             empty = next((k for k, b in enumerate(batches) if not b), None)
@@ -404,7 +408,7 @@ class Loader:
         """``batches(epoch)`` and what they are made of: the pass ahead's list is reused when it is the same (an
         ImageNet order takes 0.15 s to build and 0.05 s to compare; _spare.Spare)."""
         key = (epoch, self.seed, self.world, len(self.dataset), *self._order_kind().values())
-        return self._spare.batches(key) or self.batches(epoch), key
+        return self._spare.batches(key) or self._sequence(epoch), key
 
     @property
     def worker_processes(self) -> int:

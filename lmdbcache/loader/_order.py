@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -59,10 +60,11 @@ class Batches(Sequence[list[int]]):
     def __getitem__(self, k: Any) -> Any:
         if isinstance(k, slice):
             return [self[j] for j in range(*k.indices(self.length))]
+        k = operator.index(k)  # as a list indexes: a TypeError for anything but an int
         if k < 0:
             k += self.length
         if not 0 <= k < self.length:
-            raise IndexError(k)
+            raise IndexError("batch index out of range")
         return self.order[k * self.size : (k + 1) * self.size].tolist()
 
     def rows(self, k: int) -> int:
