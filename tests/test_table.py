@@ -188,6 +188,23 @@ def _value_offset(ds: CachedDataset, index: int) -> int:
     return int.from_bytes(blob[:8], "little")
 
 
+def _forty(tmp_path: Any, side: int, pack: int) -> tuple[str, Any]:
+    """A cache of 40 samples of 3 x side x side (packed by ``pack``) and its source."""
+    path = str(tmp_path / "c.lmdb")
+    source = Listed([(torch.full((3, side, side), i % 251, dtype=torch.uint8), i) for i in range(40)])
+    ds = CachedDataset(source, path, pack=pack)
+    ds.__getitems__(list(range(40)))
+    ds.close()
+    return path, source
+
+
+def _opened_at_13(path: str) -> tuple[CachedDataset, Any, int]:
+    """``path`` opened (checksum "always") after one read, its tree, and where index 13's value starts in the map."""
+    ds = CachedDataset.open(path, checksum="always")
+    ds[5]
+    return ds, _tree(ds)[0], _value_offset(ds, 13)
+
+
 @pytest.mark.parametrize(
     ("side", "pack", "what"),
     [(80, 0, "data"), (80, 0, "structure"), (80, 0, "page number"), (32, 0, "data"), (32, 8, "data"),
@@ -198,17 +215,9 @@ def test_a_value_damaged_under_the_table_gives_the_clear_error(tmp_path: Any, si
     holds it (its own, or its pack's), changed in the file under a built table, with no commit: ds[i] and the
     loader raise the library's error for that index, never a crash; the bytes put back, it reads again. (The page
     number is checked at the entry's first read in the snapshot: test_a_checked_page_number_is_not_read_again.)"""
-    path = str(tmp_path / "c.lmdb")
-    n = 40
-    source = Listed([(torch.full((3, side, side), i % 251, dtype=torch.uint8), i) for i in range(n)])
-    ds = CachedDataset(source, path, pack=pack)
-    ds.__getitems__(list(range(n)))
-    ds.close()
+    path, source = _forty(tmp_path, side, pack)
     with _threshold(*ALWAYS):
-        ds = CachedDataset.open(path, checksum="always")
-        ds[5]
-        tree = _tree(ds)[0]
-        offset = _value_offset(ds, 13)
+        ds, tree, offset = _opened_at_13(path)
         if what == "page number":
             if pack:
                 offset = _pack_record_offset(tree, ds._live_store().reader, 13)  # type: ignore[attr-defined]
@@ -239,17 +248,9 @@ def test_a_checked_page_number_is_not_read_again(tmp_path: Any, side: int, pack:
     snapshot and not at later ones (a second cache miss per value of a shuffled batch): changed after that read,
     with no commit, the value still reads right; the span stays checked against the map on every read, and the
     data checksum as the policy says."""
-    path = str(tmp_path / "c.lmdb")
-    n = 40
-    source = Listed([(torch.full((3, side, side), i % 251, dtype=torch.uint8), i) for i in range(n)])
-    ds = CachedDataset(source, path, pack=pack)
-    ds.__getitems__(list(range(n)))
-    ds.close()
+    path, source = _forty(tmp_path, side, pack)
     with _threshold(*ALWAYS):
-        ds = CachedDataset.open(path, checksum="always")
-        ds[5]
-        tree = _tree(ds)[0]
-        offset = _value_offset(ds, 13)
+        ds, tree, offset = _opened_at_13(path)
         if pack:
             offset = _pack_record_offset(tree, ds._live_store().reader, 13)  # type: ignore[attr-defined]
         assert _bytes_of(ds[13]) == _bytes_of(source[13])  # the entry's first read: checked
