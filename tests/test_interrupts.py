@@ -104,7 +104,7 @@ def test_a_ctrl_c_in_reads_and_misses_leaves_the_store_usable(cache_dir):
 def test_a_ctrl_c_while_iterating_the_loader_stops_it_without_a_hang(cache_dir):
     """``for batch in loader`` (its planner thread and batch queue) interrupted at random instants, 150 rounds:
     no round hangs, no pass is left running, and the next epoch is whole. A Ctrl-C inside ``queue.Queue``'s
-    lock wrapper hung the pass's ``stop`` (now two C-level queues, ``_pass._Batches``). Not every Ctrl-C is
+    lock wrapper hung the pass's ``stop`` (now two C-level queues, ``_pass._Finished``). Not every Ctrl-C is
     raised: one that lands on the first instruction of a batch tensor's weakref callback (``_gather._hold``) is
     printed and lost, as Python does for any such callback (one later in it is raised again); the rounds it
     happens in are counted."""

@@ -533,7 +533,8 @@ def test_gather_is_locate_batch_then_fill_then_mark_verified(tmp_path: Any, pack
 @needs_core
 def test_gather_refuses_bad_arguments_and_reports_damage_without_marking(tmp_path: Any) -> None:
     """Short buffers, a plan that does not tile its value and a verified that is not a bytearray raise before
-    anything is read; a value of another form is status 1 at its row, and nothing of the batch is marked."""
+    anything is read; a value of another form is status 1 at its row, a damaged one status 4 (its data checksum)
+    at its row, and nothing of the batch is marked."""
     n = 20
     ds, tree, layout = _gather_cache(str(tmp_path / "c.lmdb"), n, 0)
     t = tree[7].__self__
@@ -554,6 +555,16 @@ def test_gather_refuses_bad_arguments_and_reports_damage_without_marking(tmp_pat
     wrong_key = (key_[:-1] + bytes([key_[-1] ^ 1]), struct_size, value_size, scalars_at, scalar_size, fields)
     assert t.gather([4, 5], verified, False, wrong_key, small.flat, small.scalar_view, 0) == (0, 1, 0)
     assert verified == bytearray(n)
+    ds.close()
+    with raw_cache(tmp_path / "c.lmdb") as (txn, samples, _):  # a data byte of index 5 damaged
+        value = bytearray(stored(txn, samples, 5))
+        value[-1] ^= 0xFF
+        txn.put(key(5), bytes(value), db=samples)
+    ds = CachedDataset.open(str(tmp_path / "c.lmdb"))
+    r = ds._live_store().reader  # type: ignore[attr-defined]
+    t = native_tree(r, r._reader())[7].__self__
+    assert t.gather([4, 5], verified, False, plan, small.flat, small.scalar_view, 0) == (0, 4, 1)  # data checksum
+    assert verified == bytearray(n)  # not even index 4, whose row was copied and checked
     ds.close()
 
 

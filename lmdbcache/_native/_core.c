@@ -78,7 +78,7 @@ static inline uint64_t le64(const uint8_t *p) {
 
 static inline void put_le64(uint8_t *p, uint64_t v) {
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-    memcpy(p, &v, 8); /* one store: the byte loop below cost a seeded hash 80 ns (its secret, 24 of these) */
+    memcpy(p, &v, 8); /* one store (the byte loop below is 8) */
 #else
     for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
 #endif
@@ -313,7 +313,7 @@ static uint64_t xxh3_long_copy(uint8_t *dst, const uint8_t *src, size_t len, con
 #define ACC_LANES(a, d, k)                                                                                     \
     do {                                                                                                       \
         __m256i dk = _mm256_xor_si256(d, k);                                                                   \
-        __m256i prod = _mm256_mul_epu32(dk, _mm256_srli_epi64(dk, 32)); /* a shift, not a 2nd shuffle: port 5 */ \
+        __m256i prod = _mm256_mul_epu32(dk, _mm256_srli_epi64(dk, 32)); /* each lane's high half: a shift */  \
         a = _mm256_add_epi64(a, _mm256_add_epi64(prod, _mm256_shuffle_epi32(d, _MM_SHUFFLE(1, 0, 3, 2))));    \
     } while (0)
 #define STRIPE_AT(p, k)                                                                                        \

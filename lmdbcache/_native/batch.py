@@ -11,13 +11,14 @@ May import: ``lmdbcache._native`` and ``lmdbcache.errors``.
 
 from __future__ import annotations
 
+import operator
 import struct
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from . import core
 
-__all__ = ["FILL_REASONS", "Checks", "Spans"]
+__all__ = ["FILL_REASONS", "Checks", "Indexed", "Spans"]
 
 _SPAN = struct.Struct("<QQQB7x")  # offset, size, index, check (lmdbcache/_native/_core.c, SPAN)
 
@@ -30,26 +31,34 @@ FILL_REASONS = {
 }
 
 
-class _Records(Sequence[Any]):
-    """A sequence over the 32-byte span records of ``blob``: lengths, slices and negative indices in one place."""
+class Indexed(Sequence[Any]):
+    """A sequence whose items are made when asked for (``_record``): indexed as a list is (negative indices,
+    slices as lists, IndexError past the end, TypeError for anything but an int), in one place."""
+
+    __slots__ = ()
+
+    def __getitem__(self, k: Any) -> Any:
+        if isinstance(k, slice):
+            return [self[j] for j in range(*k.indices(len(self)))]
+        k = operator.index(k)
+        if k < 0:
+            k += len(self)
+        if not 0 <= k < len(self):
+            raise IndexError(f"index {k} out of range")
+        return self._record(k)
+
+    def _record(self, k: int) -> Any:
+        raise NotImplementedError
+
+
+class _Records(Indexed):
+    """A sequence over the 32-byte span records of ``blob``."""
 
     __slots__ = ()
     blob: bytearray
 
     def __len__(self) -> int:
         return len(self.blob) // _SPAN.size
-
-    def __getitem__(self, k: Any) -> Any:
-        if isinstance(k, slice):
-            return [self[j] for j in range(*k.indices(len(self)))]
-        if k < 0:
-            k += len(self)
-        if not 0 <= k < len(self):
-            raise IndexError(k)
-        return self._record(k)
-
-    def _record(self, k: int) -> Any:
-        raise NotImplementedError
 
 
 class Checks(_Records):

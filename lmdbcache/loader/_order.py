@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._native.batch import Indexed
 from ..errors import InvalidOptionError
 
 __all__ = ["Batches", "epoch_of", "rows", "world_of"]
@@ -40,7 +40,7 @@ def epoch_of(sampler: Iterable[Any], epoch: int) -> Iterable[Any]:
     return sampler
 
 
-class Batches(Sequence[list[int]]):
+class Batches(Indexed):
     """An epoch's batches of ``size`` over ``order`` (an int64 array), each made a list of ints when asked for.
 
     What ``[order[k : k + size] for k in ...]`` over the order's list was, without building the epoch's
@@ -57,15 +57,8 @@ class Batches(Sequence[list[int]]):
     def __len__(self) -> int:
         return self.length
 
-    def __getitem__(self, k: Any) -> Any:
-        if isinstance(k, slice):
-            return [self[j] for j in range(*k.indices(self.length))]
-        k = operator.index(k)  # as a list indexes: a TypeError for anything but an int
-        if k < 0:
-            k += self.length
-        if not 0 <= k < self.length:
-            raise IndexError("batch index out of range")
-        return self.order[k * self.size : (k + 1) * self.size].tolist()
+    def _record(self, k: int) -> list[int]:
+        return self.order[k * self.size : (k + 1) * self.size].tolist()  # type: ignore[no-any-return]
 
     def rows(self, k: int) -> int:
         """``len(self[k])``, without making the list."""

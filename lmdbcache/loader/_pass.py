@@ -124,7 +124,7 @@ def _wait(event: Any) -> None:
         threading.Event().wait(0.0005)
 
 
-class _Batches:
+class _Finished:
     """A pass's finished batches, at most ``size`` waiting for the consumer: two C-level ``SimpleQueue``s (the
     batches, and a token per free place), so no Python-level lock wrapper runs in the consumer's thread. A Ctrl-C
     inside ``queue.Queue``'s (a ``Condition.__enter__``) left its lock held, and ``stop``'s drain hung on it
@@ -191,7 +191,7 @@ class Pass:
     ) -> None:
         self.spec, self.epoch, self.batches, self.start = spec, epoch, batches, start
         self.ds = spec.dataset
-        self.out = _Batches(spec.prefetch)
+        self.out = _Finished(spec.prefetch)
         self.stopping = threading.Event()
         self.go = threading.Event()  # held (``Spare``): the planner builds the first batch, then waits for it
         if not held:
