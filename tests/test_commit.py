@@ -176,3 +176,37 @@ def test_ctrl_c_twice_during_close_leaves_the_cache_usable(cache_dir):
     with CachedDataset.open(cache_dir) as again:
         assert again.cached_count == 100
         assert_same(again[5], sample_for(5))
+
+
+def test_a_delete_racing_commits_never_deadlocks(cache_dir):
+    """``delete`` (verify --repair's) while another thread's misses are committed: the committer takes the store's
+    lock inside the write lock (its puts), so a delete that held the store's lock while waiting for the write lock
+    would hang both. It drains first; every delete finishes and the deleted indices are decoded again."""
+    n = 600
+    ds = CachedDataset(Synthetic(n), cache_dir, commit_every=3, commit_interval=0.01)
+    store = ds._live_store()
+    for i in range(20):
+        ds[i]
+    ds.flush()
+    stop = threading.Event()
+
+    def fill() -> None:
+        for i in range(20, n):
+            if stop.is_set():
+                return
+            ds[i]
+
+    filler = threading.Thread(target=fill)
+    filler.start()
+    deleted = 0
+    try:
+        for k in range(200):
+            assert finishes(lambda k=k: store.delete([k % 20]), timeout=20), f"delete {k} hung beside a commit"
+            deleted += 1
+    finally:
+        stop.set()
+        filler.join(timeout=60)
+    assert deleted == 200 and not filler.is_alive()
+    for i in range(0, 20):
+        assert_same(ds[i], sample_for(i))  # deleted, decoded again
+    ds.close()
