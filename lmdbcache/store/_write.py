@@ -196,8 +196,7 @@ class Writer:
                     with env.begin(write=True) as txn:
                         self._check_cache_id(txn)
                         if self._h._pack:
-                            with self._lock:  # a put per record: see _put_grouped
-                                written = self._put_packed(txn, batch)
+                            written = self._put_packed(txn, batch)
                         elif (written := self._put_grouped(txn, batch, hopeful)) < 0:
                             raise _Present
                     self._h.commits += 1  # this process's readers renew a snapshot kept from before (_read)
