@@ -41,6 +41,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..errors import LmdbCacheWarning
+from ._signals import give_back_sigint, hold_sigint
 from ._store import Store
 
 __all__ = ["acquire", "freeze_inherited", "open_store", "opened", "release"]
@@ -145,31 +146,55 @@ def release(store: Store) -> None:
         store.retire()
 
 
+# What the running fork's _before_fork took, so the after hooks release that and nothing else.
+_forking_stores: list[Store] = []
+_forking_registry = False
+_forking_sigint: tuple[object, list[int]] | None = None  # _signals.hold_sigint's
+
+
 def _before_fork() -> None:
     # Commit and close every environment so the child inherits none (see module docstring).
-    # The locks stay held across the fork so no thread reopens one in between.
+    # The locks stay held across the fork so no thread reopens one in between. A Ctrl-C during the hooks waits
+    # for their end: one raised in a hook is dropped by Python, and it left the locks half taken and the after
+    # hooks releasing locks other threads held (a reader then ran on an environment being closed and the process
+    # crashed, or a committer stopped with its batch unwritten and every later miss hung).
+    global _forking_registry, _forking_sigint
+    _forking_sigint = hold_sigint()
     _registry_lock.acquire()
+    _forking_registry = True
     for store in _stores.values():
         store.before_fork()
+        _forking_stores.append(store)
 
 
 def _after_fork_parent() -> None:
-    for store in _stores.values():
+    global _forking_registry, _forking_sigint
+    for store in _forking_stores:
         store.after_fork(in_child=False)
-    _registry_lock.release()
+    _forking_stores.clear()
+    if _forking_registry:
+        _forking_registry = False
+        _registry_lock.release()
+    sigint, _forking_sigint = _forking_sigint, None
+    give_back_sigint(sigint, deliver=True)  # the parent's Ctrl-C, raised in its own code a moment later
 
 
 def _after_fork_child() -> None:
-    global _pid, _inherited
+    global _pid, _inherited, _forking_registry, _forking_sigint
     _pid = os.getpid()
     # The child opens its own stores. The parent's objects stay reachable from datasets,
     # which see the pid change and re-acquire; unlock them so nothing can hang on them.
     _inherited = bool(_stores)  # see freeze_inherited
     for store in _stores.values():
         store.disown()
-        store.after_fork(in_child=True)
+        store.after_fork(in_child=True)  # (whoever held its lock: no thread of the child does)
     _stores.clear()
-    _registry_lock.release()
+    _forking_stores.clear()
+    _forking_registry = False
+    if _registry_lock.locked():
+        _registry_lock.release()
+    sigint, _forking_sigint = _forking_sigint, None
+    give_back_sigint(sigint, deliver=False)  # a Ctrl-C from before this process existed is its parent's
 
 
 def freeze_inherited(option: bool | None = None) -> None:

@@ -17,6 +17,7 @@ shutdown, which puts into that queue (``interrupts_outside_locks``). The library
 
 from __future__ import annotations
 
+import _signal
 import _thread
 import contextlib
 import dis
@@ -29,7 +30,7 @@ import time
 from collections.abc import Iterator
 from types import FrameType
 
-__all__ = ["interrupts_held", "interrupts_ignored", "interrupts_outside_locks"]
+__all__ = ["give_back_sigint", "hold_sigint", "interrupts_held", "interrupts_ignored", "interrupts_outside_locks"]
 
 # The functions (file, name) in which a KeyboardInterrupt can leave a lock held (see the module docstring).
 _LOCK_WRAPPERS = {
@@ -63,6 +64,32 @@ def interrupts_held(block: bool = True, reraise: bool = True) -> Iterator[list[i
         signal.signal(signal.SIGINT, previous)
     if held and reraise:
         signal.raise_signal(signal.SIGINT)  # to the handler in force again: KeyboardInterrupt by default
+
+
+def hold_sigint() -> tuple[object, list[int]] | None:
+    """Note a Ctrl-C instead of raising it, until ``give_back_sigint``: for the fork hooks, which hold the stores'
+    locks from one hook to the next and whose exceptions Python prints and drops. None in another thread than the
+    main one (its handlers run there) or when the handler in force was not set from Python (it could not be put
+    back)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        return None
+    held: list[int] = []
+    return signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum)), held
+
+
+def give_back_sigint(state: tuple[object, list[int]] | None, deliver: bool) -> None:
+    """Put back the handler ``hold_sigint`` replaced. With ``deliver``, a Ctrl-C that came meanwhile is sent again
+    ``_RETRY`` seconds later from a timer thread (started while this handler still notes it): raised here it would
+    be a fork hook's exception, printed and dropped; a moment later the caller's own code takes it."""
+    if state is None:
+        return
+    previous, held = state
+    if held and deliver:
+        main = threading.main_thread().ident
+        threading.Timer(_RETRY, signal.pthread_kill, (main, signal.SIGINT)).start()
+    # The C function, not signal.py's wrapper: after it a Ctrl-C is raised where it lands, and in the few
+    # instructions left of a hook it is dropped as Python drops any fork hook's exception (a storm of them finds it).
+    _signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager

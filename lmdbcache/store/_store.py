@@ -385,6 +385,9 @@ class Store:
                 self.handle._close_env()
 
     def after_fork(self, in_child: bool) -> None:
+        """Release the lock ``before_fork`` took; in a child, whoever held it (no thread of the child does)."""
         if in_child:
             self.writer.reset_in_child()  # the parent's samples; its committer thread does not exist here
+            if not self._lock.locked():
+                return
         self._lock.release()
