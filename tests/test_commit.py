@@ -210,3 +210,24 @@ def test_a_delete_racing_commits_never_deadlocks(cache_dir):
     for i in range(0, 20):
         assert_same(ds[i], sample_for(i))  # deleted, decoded again
     ds.close()
+
+
+def test_a_batch_left_in_flight_without_a_thread_is_still_written(cache_dir):
+    """The state a ``stop`` cut short by Ctrl-C leaves (its ``finally`` tells the thread to stop before the thread
+    took the batch handed to it): a batch in flight and no committer. Whoever waits for it starts one: the flush
+    finishes and every sample is committed (it hung: ``hand_off`` and ``drain`` waited for a thread that was gone)."""
+    ds = CachedDataset(Synthetic(50), cache_dir, commit_every=10_000, commit_interval=3600)
+    for i in range(20):
+        ds[i]
+    queue = ds._live_store().writer._queue
+    with ds._live_store()._lock:
+        committer = queue._committer
+        assert committer is not None and len(queue.pending) == 20 and not queue.inflight
+        queue.inflight, queue.pending, queue.pending_bytes = queue.pending, {}, 0  # handed off (hand_off)
+        committer.stop, queue._committer = True, None  # and the thread told to stop first (stop's finally)
+        queue._cond.notify_all()
+    committer.thread.join(timeout=10)
+    assert not committer.thread.is_alive() and len(queue.inflight) == 20
+    assert finishes(ds.flush), "flush() waited for a batch no thread would write"
+    assert committed(cache_dir) == 20
+    ds.close()

@@ -116,8 +116,7 @@ class CommitQueue:
 
     def hand_off(self) -> None:
         """Give the queued samples to the thread (waiting for the batch before them)."""
-        while self.inflight:
-            self._cond.wait()
+        self._wait_for_inflight()
         self.raise_error()
         if self.pending:
             self.inflight, self.pending, self.pending_bytes = self.pending, {}, 0
@@ -128,10 +127,18 @@ class CommitQueue:
         """Commit everything queued now and wait for it; return how many samples that was."""
         count = len(self.pending)
         self.hand_off()
-        while self.inflight:
-            self._cond.wait()
+        self._wait_for_inflight()
         self.raise_error()
         return count
+
+    def _wait_for_inflight(self) -> None:
+        """Wait until no batch is in flight, with a thread alive to write it: a ``stop`` cut short by Ctrl-C ends
+        the thread with its batch unwritten (``_run`` checks its stop flag first), and this wait then started none
+        (every later miss hung)."""
+        while self.inflight:
+            if not self._busy:
+                self._ensure_thread()
+            self._cond.wait()
 
     def begin_direct(self, batch: Batch) -> None:
         """Mark ``batch`` as being written by the caller's thread (a close or a fork waits for it)."""
