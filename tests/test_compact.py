@@ -136,6 +136,23 @@ def test_a_commit_meeting_stored_indices_groups_only_the_new_ones(cache_dir):
     check.close()
 
 
+def test_an_index_given_twice_in_one_write_keeps_its_first_value(cache_dir):
+    """``put_many`` (precompute's and merge's write) given an index twice writes it once, with its first value, as
+    the queue keeps a miss's first value: both in one group made every retry meet it again, and the write failed
+    saying the map could not grow (found by an attack)."""
+    src = Synthetic(40)
+    ds = CachedDataset(src, cache_dir)
+    store = ds._live_store()
+    other = encode(src[9], 8)  # index 8's key, another sample's data: what a second value would be
+    batch = [(i, encode(src[i], i)) for i in range(8)] + [(8, encode(src[8], 8)), (8, other), (3, other)]
+    assert store.put_many(batch, ds._build) == 9
+    ds.close()
+    assert sorted(assert_nothing_orphaned(cache_dir)) == list(range(9))
+    with CachedDataset.open(cache_dir) as check:
+        for i in range(9):
+            assert_same(check[i], sample_for(i))
+
+
 def test_three_processes_filling_at_once_keep_the_first_writer(cache_dir):
     """Three processes fill one cache in different orders: each index stored once, no group byte orphaned by a
     value another process had committed first, every sample right; verify finds nothing."""

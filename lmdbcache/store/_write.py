@@ -160,9 +160,14 @@ class Writer:
         """Write (index, value) pairs of the build ``build`` now, in one transaction, skipping indices present.
 
         Returns the number of records actually written. A rebuild waits for the write (the
-        batch is in flight), so the build checked here is the one written into.
+        batch is in flight), so the build checked here is the one written into. An index given twice
+        keeps its first value, as the queue does (a group holding both ran out of retries, saying the
+        map could not grow).
         """
-        batch = sorted(items)
+        first: dict[int, bytes] = {}
+        for index, value in items:
+            first.setdefault(index, value)
+        batch = sorted(first.items())
         with self._lock:
             if build is not None and build != self._h.build:
                 raise self._h.mismatch(build)
