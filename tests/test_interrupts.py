@@ -210,3 +210,42 @@ def test_a_ctrl_c_during_forks_beside_misses_neither_hangs_nor_crashes(cache_dir
     assert out.returncode == 0, out.stderr[-3000:]
     forks, raised, filled = map(int, out.stdout.split())
     assert forks > 20 and raised > 0 and filled > 1000, out.stdout  # the fillers kept going (about 7,000 here)
+
+
+_FORK_UNDER_HANDLER = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[3])
+from helpers import Synthetic
+from lmdbcache import CachedDataset
+
+ds = CachedDataset(Synthetic(10), sys.argv[1])
+ds[0]
+signal.signal(signal.SIGINT, {"ignore": signal.SIG_IGN, "default": signal.SIG_DFL}[sys.argv[2]])
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if signal.getsignal(signal.SIGINT) == signal.signal(signal.SIGINT, signal.SIG_DFL) else 3)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, "the child's handler changed"
+print(signal.getsignal(signal.SIGINT).name, flush=True)
+signal.raise_signal(signal.SIGINT)  # ignored, or the end of the process (as without the library)
+print("alive", flush=True)
+"""
+
+
+@pytest.mark.parametrize("handler", ["ignore", "default"])
+def test_a_fork_keeps_sig_ign_and_sig_dfl_in_force(cache_dir, handler):
+    """A process that ignores Ctrl-C (a job started with ``&`` inherits ``SIG_IGN``) or leaves it to end the process
+    (``SIG_DFL``) keeps that through a fork with a cache open: the fork hooks hold a Ctrl-C only under a Python
+    handler (putting the others back failed, printed, and left the library's recorder in force for good)."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run(
+        [sys.executable, "-c", _FORK_UNDER_HANDLER, str(cache_dir), handler, tests],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "Exception ignored" not in out.stderr, out.stderr
+    if handler == "ignore":
+        assert out.returncode == 0 and out.stdout.split() == ["SIG_IGN", "alive"], (out.stdout, out.stderr)
+    else:
+        assert out.returncode == -2 and out.stdout.split() == ["SIG_DFL"], (out.returncode, out.stdout, out.stderr)

@@ -68,10 +68,11 @@ def interrupts_held(block: bool = True, reraise: bool = True) -> Iterator[list[i
 
 def hold_sigint() -> tuple[object, list[int]] | None:
     """Note a Ctrl-C instead of raising it, until ``give_back_sigint``: for the fork hooks, which hold the stores'
-    locks from one hook to the next and whose exceptions Python prints and drops. None in another thread than the
-    main one (its handlers run there) or when the handler in force was not set from Python (it could not be put
-    back)."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+    locks from one hook to the next and whose exceptions Python prints and drops. None (nothing to hold) in another
+    thread than the main one (handlers run there), and when the handler in force is not a Python callable: under
+    ``SIG_IGN`` or ``SIG_DFL`` a Ctrl-C raises nothing (it is ignored, or ends the process, as without the
+    library), and one set from C could not be put back."""
+    if threading.current_thread() is not threading.main_thread() or not callable(signal.getsignal(signal.SIGINT)):
         return None
     held: list[int] = []
     return signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum)), held
@@ -79,17 +80,23 @@ def hold_sigint() -> tuple[object, list[int]] | None:
 
 def give_back_sigint(state: tuple[object, list[int]] | None, deliver: bool) -> None:
     """Put back the handler ``hold_sigint`` replaced. With ``deliver``, a Ctrl-C that came meanwhile is sent again
-    ``_RETRY`` seconds later from a timer thread (started while this handler still notes it): raised here it would
-    be a fork hook's exception, printed and dropped; a moment later the caller's own code takes it."""
+    ``_RETRY`` seconds later from a thread of its own: raised here it would be a fork hook's exception, printed and
+    dropped; a moment later the caller's own code takes it."""
     if state is None:
         return
     previous, held = state
-    if held and deliver:
-        main = threading.main_thread().ident
-        threading.Timer(_RETRY, signal.pthread_kill, (main, signal.SIGINT)).start()
-    # The C function, not signal.py's wrapper: after it a Ctrl-C is raised where it lands, and in the few
-    # instructions left of a hook it is dropped as Python drops any fork hook's exception (a storm of them finds it).
+    # First: CPython runs a signal still pending through the handler in force before it changes one, so a Ctrl-C
+    # that came in the fork's last instants is noted now, not lost after the test below (precompute lost one so).
+    # The C function, not signal.py's wrapper: a Ctrl-C after it is raised where it lands (in the few instructions
+    # left of a hook it is dropped, as Python drops any fork hook's exception).
     _signal.signal(signal.SIGINT, previous)
+    if held and deliver:
+        _thread.start_new_thread(_deliver_later, (threading.main_thread().ident,))
+
+
+def _deliver_later(main: int) -> None:
+    time.sleep(_RETRY)
+    signal.pthread_kill(main, signal.SIGINT)
 
 
 @contextlib.contextmanager
