@@ -94,9 +94,10 @@ def give_back_sigint(state: tuple[object, list[int]] | None, deliver: bool) -> N
         _thread.start_new_thread(_deliver_later, (threading.main_thread().ident,))
 
 
-def _deliver_later(main: int) -> None:
+def _deliver_later(main: int | None) -> None:
     time.sleep(_RETRY)
-    signal.pthread_kill(main, signal.SIGINT)
+    if main is not None:
+        signal.pthread_kill(main, signal.SIGINT)
 
 
 @contextlib.contextmanager
