@@ -102,15 +102,17 @@ class Handle:
                 # LMDB opens a file larger than map_size with a map exactly its size: no room for
                 # even the free-list pages of a rebuild or a metadata update. Make some first.
                 self._reserve(env, 4 * MIB)
+            guard = MapGuard(os.path.join(path, DATA_FILE), env.stat()["psize"])
         except lmdb.Error as exc:
             env.close()
             raise translate(exc, path, "opening") from exc
         except BaseException:
             env.close()
             raise
+        # The environment last: a Ctrl-C between these left a new environment beside the last one's guard, whose
+        # map was gone, and the core read through it (a segfault, found by an attack forking beside reads).
+        self.readonly, self._guard = readonly, guard
         self._env = env
-        self.readonly = readonly
-        self._guard = MapGuard(os.path.join(path, DATA_FILE), env.stat()["psize"])
         return env
 
     def _env_or_open(self) -> lmdb.Environment:
