@@ -259,7 +259,7 @@ from lmdbcache import CachedDataset
 
 from lmdbcache.store._guard import MapGuard
 
-ds = CachedDataset(Synthetic(10**6), sys.argv[1], commit_interval=0.01)  # the timer commits: no wait in ds[i]
+ds = CachedDataset(Synthetic(10**6), sys.argv[1], commit_every=int(sys.argv[4]), commit_interval=0.01)
 ds[0]
 store = ds._live_store()
 stale = 0
@@ -314,14 +314,18 @@ print(forks[0], raised, i)
 """
 
 
-def test_a_ctrl_c_while_reads_reopen_the_cache_beside_forks_never_crashes(cache_dir):
+@pytest.mark.parametrize("commit_every", [4096, 3], ids=["timer-commits", "every-3-misses"])
+def test_a_ctrl_c_while_reads_reopen_the_cache_beside_forks_never_crashes(cache_dir, commit_every):
     """Another thread forks in a loop (each fork closes the environment; the next read reopens it) while the main
     thread reads hits and misses under a storm of Ctrl-Cs. One landing inside the reopen, after the new environment
     was published and before its map guard was, left the last guard (its map unmapped) beside the new environment,
-    and the core read through it: a segfault in 2 of 3 runs (an attack's). The environment is published last."""
+    and the core read through it: a segfault in 2 of 3 runs (an attack's). The environment is published last.
+    With a commit every 3 misses ``ds[i]`` also waits for the batch in flight: one landing inside
+    ``Condition.wait``'s own Python code left the store's lock released under the fork hook's hold ("release
+    unlocked lock", then a hang). The wait now notes a Ctrl-C and raises it with the lock held."""
     tests = os.path.dirname(os.path.abspath(__file__))
     out = subprocess.run(
-        [sys.executable, "-c", _READS_BESIDE_FORKS_UNDER_CTRL_C, str(cache_dir), "6", tests],
+        [sys.executable, "-c", _READS_BESIDE_FORKS_UNDER_CTRL_C, str(cache_dir), "6", tests, str(commit_every)],
         capture_output=True,
         text=True,
         timeout=240,

@@ -29,7 +29,10 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+from ._signals import interrupts_held
+
 Batch = list[tuple[int, bytes]]
+_POLL = 0.05  # seconds between a waiting main thread's looks for a Ctrl-C it noted
 
 
 class Policy(NamedTuple):
@@ -134,11 +137,21 @@ class CommitQueue:
     def _wait_for_inflight(self) -> None:
         """Wait until no batch is in flight, with a thread alive to write it: a ``stop`` cut short by Ctrl-C ends
         the thread with its batch unwritten (``_run`` checks its stop flag first), and this wait then started none
-        (every later miss hung)."""
-        while self.inflight:
-            if not self._busy:
-                self._ensure_thread()
-            self._cond.wait()
+        (every later miss hung).
+
+        A Ctrl-C never leaves the lock released: threading's ``Condition.wait`` runs Python code between its
+        release and its ``try`` (and before its reacquire), and one raised there unwound with the lock released,
+        so the caller's ``with`` released it again, under another thread's hold (a fork hook's "release unlocked
+        lock", then a hang). In the main thread the wait notes a Ctrl-C instead and looks every ``_POLL`` seconds,
+        and the Ctrl-C is raised once the lock is held again."""
+        if not self.inflight:
+            return
+        poll = _POLL if threading.current_thread() is threading.main_thread() else None  # (handlers run there)
+        with interrupts_held(block=False) as held:
+            while self.inflight and not held:
+                if not self._busy:
+                    self._ensure_thread()
+                self._cond.wait(poll)
 
     def begin_direct(self, batch: Batch) -> None:
         """Mark ``batch`` as being written by the caller's thread (a close or a fork waits for it)."""
@@ -166,11 +179,12 @@ class CommitQueue:
                 if committer is not None:
                     committer.stop = True
                     self._cond.notify_all()
-                    self._cond.release()
-                    try:
-                        committer.thread.join()
-                    finally:
-                        self._cond.acquire()
+                    with interrupts_held(block=False):  # never left released by a Ctrl-C (see _wait_for_inflight)
+                        self._cond.release()
+                        try:
+                            committer.thread.join()
+                        finally:
+                            self._cond.acquire()
             if committer is None and not self.pending and not self.inflight:
                 return
 
