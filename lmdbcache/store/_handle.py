@@ -103,16 +103,19 @@ class Handle:
                 # even the free-list pages of a rebuild or a metadata update. Make some first.
                 self._reserve(env, 4 * MIB)
             guard = MapGuard(os.path.join(path, DATA_FILE), env.stat()["psize"])
+            # The environment last, inside the try: a Ctrl-C between these left a new environment beside the last
+            # one's guard, whose map was gone, and the core read through it (a segfault, found by an attack forking
+            # beside reads); one after it unpublishes it below before it is closed.
+            self.readonly, self._guard = readonly, guard
+            self._env = env
         except lmdb.Error as exc:
             env.close()
             raise translate(exc, path, "opening") from exc
         except BaseException:
+            if self._env is env:
+                self._env = None
             env.close()
             raise
-        # The environment last: a Ctrl-C between these left a new environment beside the last one's guard, whose
-        # map was gone, and the core read through it (a segfault, found by an attack forking beside reads).
-        self.readonly, self._guard = readonly, guard
-        self._env = env
         return env
 
     def _env_or_open(self) -> lmdb.Environment:

@@ -51,8 +51,8 @@ def interrupts_held(block: bool = True, reraise: bool = True) -> Iterator[list[i
     (through fork and exec): a worker cannot be interrupted before it sets its own handler.
     """
     held: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield held  # Python runs signal handlers in the main thread only
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield held  # Python runs signal handlers in the main thread only (and one set from C could not be put back)
         return
     previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if block else None
