@@ -3,6 +3,7 @@ from __future__ import annotations
 import gc
 import getpass
 import os
+import signal
 import subprocess
 import tempfile
 
@@ -11,6 +12,11 @@ import pytest
 from lmdbcache.store import _registry
 
 # This file imports no torch, nor helpers (which does): `make native-pythons` runs tests/test_native_core.py without it.
+
+# The Ctrl-C tests need Python's own SIGINT handler, here and in the processes they start: a run started in the
+# background by a non-interactive shell (`make test &`) inherits SIGINT ignored, and Python keeps it ignored.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
