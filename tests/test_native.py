@@ -1510,8 +1510,8 @@ def test_a_snapshot_found_after_a_retry_gets_its_own_refresh(tmp_path: Any) -> N
             guard, real = store.handle._guard, store.handle._guard.refresh
             refreshes = []
 
-            def refresh() -> None:
-                real()
+            def refresh(grown: bool = False) -> None:
+                real(grown)
                 refreshes.append(os.stat(os.path.join(path, "data.mdb")).st_size)
                 if len(refreshes) == 1:  # A's meta page reused (two commits on), the file grown again
                     subprocess.run([*writer, "600:1200", "1200:1800"], env=environ, check=True, timeout=120)

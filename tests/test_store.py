@@ -856,3 +856,47 @@ def test_a_refresh_never_stores_an_older_file_size(tmp_path):
         assert guard.mapping()[1] == grown > 0
     finally:
         env.close()
+
+
+def test_a_fill_reads_proc_maps_only_when_the_map_moves(tmp_path, monkeypatch):
+    """Every commit of a lazy fill grows data.mdb, and the next read finds pages past the size the guard knew:
+    the guard takes the file's size again with a stat (``refresh(grown=True)``), not by reading /proc/self/maps
+    (0.9 ms in a process that imported torch, once per commit: 0.4 us a 3 KiB miss). The full look stays for
+    a moved map (a growth of the map: ``_set_mapsize``) and for a file replaced at the path (another inode)."""
+    from lmdbcache.store import _guard
+
+    looks = []
+    real_open = open
+
+    def counting_open(file, *args, **kwargs):
+        if file == "/proc/self/maps":
+            looks.append(file)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(_guard, "open", counting_open, raising=False)
+    path = str(tmp_path / "cache")
+    n = 600
+    ds = CachedDataset(Synthetic(n), path, commit_every=20, map_size=256 << 20)
+    ds[0]
+    store = ds._live_store()
+    opened, commits = len(looks), store.handle.commits
+    sizes = set()
+    for i in range(n):
+        assert_same(ds[i], sample_for(i))
+        sizes.add(os.path.getsize(os.path.join(path, "data.mdb")))
+    ds.flush()
+    for i in range(n):
+        assert_same(ds[i], sample_for(i))
+    assert store.handle.commits - commits >= 20 and len(sizes) >= 5  # the file grew again and again
+    assert len(looks) == opened, f"{len(looks) - opened} full looks over {store.handle.commits - commits} commits"
+
+    guard = store.handle._guard
+    data = os.path.join(path, "data.mdb")
+    other = str(tmp_path / "other.mdb")
+    shutil.copyfile(data, other)
+    before = len(looks)
+    guard.refresh(grown=True)  # the same file: a stat
+    assert len(looks) == before and guard.start
+    os.replace(other, data)  # another inode at the path: the map no longer shows the file there
+    guard.refresh(grown=True)
+    assert len(looks) == before + 1  # looked in full

@@ -78,12 +78,12 @@ def native_spans(r: Hits, txn: lmdb.Transaction, indices: list[int], always: boo
     address is known here (not Linux, or the guard could not find the map), so the Python path reads it.
 
     Located in the read transaction's tree (``native_tree``: found once per snapshot), whose location table
-    answers once enough indices were looked up in it. A lookup that fails is tried once more after the guard
-    looks for the map and the file's size again (another process may have grown the file since); a second
-    failure is damage, worded as the guard words it.
+    answers once enough indices were looked up in it. A lookup that fails is tried again after the guard takes
+    the file's size again (a commit may have grown the file since), then after it finds the map again
+    (``_refound``); a third failure is damage, worded as the guard words it.
     """
     tree = native_tree(r, txn)
-    for attempt in range(2):
+    for attempt in range(3):
         if tree[1] is None:
             return None  # the Python path reads in this transaction (no map address, no samples database)
         core_tree = tree[7].__self__  # the core.Tree whose bound ``sample`` native_tree keeps
@@ -92,8 +92,8 @@ def native_spans(r: Hits, txn: lmdb.Transaction, indices: list[int], always: boo
             return Spans(tree[2], tree[3], tree[1], blob)
         if code == _native.NOTFOUND:
             return MISSING  # the caller reads the batch again through get_many, which looks again
-        if attempt == 0:
-            tree = _refound(r, tree)
+        if attempt < 2:
+            tree = _refound(r, tree, grown=attempt == 0)
     raise _damage(r, code, indices[k], tree)
 
 
@@ -120,9 +120,9 @@ def native_tree(r: Hits, txn: lmdb.Transaction) -> tuple[Any, ...]:
     the snapshot, or its meta page kept being reused). ``value(index, always, verified)`` (``core.Tree.sample``)
     is a single read: the decoded sample (a tuple: a flat value whose plan is known, its checks passed and
     its index marked verified), else a view of the value in the map for ``decode``, None if it is not
-    stored, or an error code. A broken main database is looked at again after the guard finds the map and
-    the file's size again (once per snapshot: one begun after a RETRY is newer than that size), then raised
-    as damage, worded as the guard's.
+    stored, or an error code. A broken main database is looked at again after the guard takes the file's size
+    again (a commit grew it: ``refresh(grown=True)``), then after it finds the map again, per snapshot (one
+    begun after a RETRY is newer than that size), then raised as damage, worded as the guard's.
 
     A new transaction on the snapshot of the last tree found (the same txnid, map view, packing and
     length: no commit since, as between the misses of a fill, where every miss begins a transaction)
@@ -133,7 +133,7 @@ def native_tree(r: Hits, txn: lmdb.Transaction) -> tuple[Any, ...]:
         return tree
     core, guard = _native.core, r._h._guard
     assert core is not None
-    refreshed = False
+    looks = 0  # how many times the guard looked again for this snapshot
     for _ in range(8):
         base, length, view = guard.mapping() if guard is not None else (0, 0, None)
         if not base or guard is None:
@@ -152,14 +152,14 @@ def native_tree(r: Hits, txn: lmdb.Transaction) -> tuple[Any, ...]:
             return tree
         if code == _native.RETRY:  # a newer snapshot: its pages may lie past the file's size as last found
             r._drop_reader()
-            txn, refreshed = r._reader(), False
+            txn, looks = r._reader(), 0
             continue
         if code == _native.NOTFOUND:
             break  # no samples database in this snapshot: the Python path says what that means
-        if refreshed:
+        if looks == 2:
             raise _damage(r, code, None)
-        refreshed = True
-        guard.refresh()
+        looks += 1
+        guard.refresh(grown=looks == 1)  # the file grown (a commit: a stat), then the map looked for in full
     r._tree = tree = (txn, None, 0, 0, 0, 0, 0, None)
     return tree
 
@@ -168,33 +168,34 @@ def native_lookup(r: Hits, tree: tuple[Any, ...], index: int, code: int = -1) ->
     """The stored value of ``index`` in ``tree`` (``native_tree``, its view set): a view into the map, or None.
 
     ``code``: the outcome of a lookup the caller already made (``get`` makes its own); -1: look it up.
-    A lookup that fails is tried once more after the guard looks for the map and the file's size again
-    (another process may have grown the file since); a second failure is damage, worded as the guard's.
+    A lookup that fails is tried again after the guard takes the file's size again (a commit may have grown the
+    file since), then after it finds the map again; a third failure is damage, worded as the guard's.
     """
     core = _native.core
     assert core is not None
     _, view, base, length, psize, root, depth, _ = tree
     pack, n = r._h._pack, r._h._length
-    for attempt in range(2):
+    for attempt in range(3):
         if code < 0 or attempt:
             code, at, size = core.locate_index(base, length, psize, root, depth, index, pack, n, PREFETCH_MIN)
             if code == _native.OK:
                 return view[at : at + size]
         if code == _native.NOTFOUND:
             return None
-        if attempt == 0:
-            _, view, base, length, *_ = _refound(r, tree)
+        if attempt < 2:
+            _, view, base, length, *_ = tree = _refound(r, tree, grown=attempt == 0)
     raise _damage(r, code, index, r._tree)
 
 
-def _refound(r: Hits, tree: tuple[Any, ...]) -> tuple[Any, ...]:
+def _refound(r: Hits, tree: tuple[Any, ...], grown: bool = False) -> tuple[Any, ...]:
     """``tree`` over the map as the guard finds it again (another process may have grown the file), kept as
-    ``r._tree``; ``tree`` itself if the guard finds no map."""
+    ``r._tree``; ``tree`` itself if the guard finds no map. ``grown``: the guard takes only the file's size
+    again (``MapGuard.refresh``)."""
     core, guard = _native.core, r._h._guard
     assert core is not None
     if guard is None:
         return tree
-    guard.refresh()
+    guard.refresh(grown)
     base, length, view = guard.mapping()
     if not base:
         return tree
