@@ -50,6 +50,17 @@ def _fill(source: Any, order: list[int], path: str) -> float:
     return us
 
 
+def _dirty_mib() -> str:
+    """The machine's dirty page cache (/proc/meminfo), which the commits' writes depend on: with 1.3 GB of it
+    left by other runs, a commit's page-cache copy ran 5-7x slower here (and the 6 KiB row with it)."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("Dirty:"))
+        return str(kib // 1024)
+    except (OSError, StopIteration, ValueError):
+        return "?"
+
+
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.miss", description=__doc__.split("\n")[0])
     p.add_argument("--n", type=int, default=20000)
@@ -61,7 +72,10 @@ def main(argv: list[str]) -> None:
 
     from .workloads import ArrayDataset, tensor_data
 
-    print(f"load average {os.getloadavg()}, {os.cpu_count()} cores, core {'on' if _native.NATIVE else 'off'}")
+    print(
+        f"load average {os.getloadavg()}, {os.cpu_count()} cores, core {'on' if _native.NATIVE else 'off'}, "
+        f"dirty page cache {_dirty_mib()} MiB"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "cache.lmdb")
         if args.profile:
@@ -83,7 +97,7 @@ def main(argv: list[str]) -> None:
             print(
                 f"per miss {kib} KiB shuffled: bare {statistics.median(bare):.1f} us, through the cache "
                 f"{statistics.median(fill):.1f} us: {statistics.median(over):.1f} us above the source "
-                f"({min(over):.1f}-{max(over):.1f}); fill/bare {ratio:.2f}x",
+                f"({min(over):.1f}-{max(over):.1f}); fill/bare {ratio:.2f}x; dirty page cache {_dirty_mib()} MiB",
                 flush=True,
             )
 
