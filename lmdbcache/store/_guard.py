@@ -18,7 +18,8 @@ is LMDB 0.9's ``MDB_node`` (mdb.c), fixed since 2011: 8 bytes right before the k
 
 The mapping's address comes from /proc/self/maps (refreshed when the map moves: a growth or an
 adopted resize; never per read, on either path: the compiled core's reads take the address, length
-and view ``mapping`` keeps, and only a failed lookup asks for a refresh).
+and view ``mapping`` keeps, and only a failed lookup asks for a refresh, which first takes a grown
+file's size with a stat: ``refresh(grown=True)``).
 Where that is unavailable (not Linux) or the layout differs (a big-endian machine,
 or a py-lmdb built with an LMDB other than 0.9: ``layout_known``, which says so once with an
 ``LmdbCacheWarning``) the check is skipped, never guessed: reads of a damaged file may then crash.
