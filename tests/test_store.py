@@ -900,3 +900,36 @@ def test_a_fill_reads_proc_maps_only_when_the_map_moves(tmp_path, monkeypatch):
     os.replace(other, data)  # another inode at the path: the map no longer shows the file there
     guard.refresh(grown=True)
     assert len(looks) == before + 1  # looked in full
+
+
+def test_a_data_file_replaced_under_a_process_stays_checked(tmp_path):
+    """`lmdbcache copy` into a live cache swaps another data.mdb in at the path; a process that had the cache open
+    keeps reading and writing the file it mapped, unlinked now. Its guard keeps checking records against that
+    mapping, the size taken through LMDB's open descriptor of it; before, the full look found no map of the path's
+    new file and turned the check off (start 0: reads unchecked, found by the attack on the stat refresh)."""
+    from lmdbcache.store import _guard
+
+    path = str(tmp_path / "cache")
+    n = 300
+    ds = CachedDataset(Synthetic(n), path, commit_every=20, map_size=64 << 20)
+    for i in range(100):
+        ds[i]
+    ds.flush()
+    guard = ds._live_store().handle._guard
+    assert guard is not None and guard.start
+    start, before = guard.start, guard.mapping()[1]
+    data = os.path.join(path, "data.mdb")
+    other = str(tmp_path / "other.mdb")
+    shutil.copyfile(data, other)
+    os.replace(other, data)  # as _ops._swap does
+    for i in range(100, n):  # committed into the file this process opened: it grows
+        assert_same(ds[i], sample_for(i))
+    ds.flush()
+    guard.refresh()  # a full look
+    assert guard.start == start and guard.unreadable == ""
+    assert guard.mapping()[1] > before  # its own file's size, not the path's
+    assert guard.problem(memoryview(b"12345678")) is not None  # a key outside the map: still refused
+    for i in range(n):
+        assert_same(ds[i], sample_for(i))
+    new = os.stat(data)
+    assert _guard._size_of_open(new.st_dev, new.st_ino) is None  # the path's new file: not open here

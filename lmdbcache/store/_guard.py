@@ -178,29 +178,28 @@ class MapGuard:
                 self._mapped = (self.start, 0, _EMPTY)
             return  # never checked (no /proc/self/maps: not Linux): the check stays off, as documented
         self._unreadable = ""
-        start = end = 0
-        real = os.path.realpath(self.data_file)
-        for line in lines:
-            fields = line.split(maxsplit=5)
-            if len(fields) < 6:
-                continue
-            try:
-                low, high = (int(part, 16) for part in fields[0].split("-"))
-                inode = int(fields[4])
-            except ValueError:
-                continue
-            if start and low == end and inode == st.st_ino:
-                end = high  # the mapping goes on (advice on part of it splits it into several lines)
-            elif start:
-                break
-            elif fields[2] == "00000000" and inode == st.st_ino and os.path.realpath(fields[5]) == real:
-                start, end = low, high
+        start, end = _mapping_of(lines, st.st_dev, st.st_ino, os.path.realpath(self.data_file))
+        size, ident, known = st.st_size, (st.st_dev, st.st_ino), self._found_map
+        if not start and self.start and known is not None and (st.st_dev, st.st_ino) != known[2:]:
+            # Another file at the path (`lmdbcache copy` into a live cache swaps it in): this process still maps
+            # the one it opened, unlinked now. Keep checking against that mapping, its size taken through an open
+            # descriptor of it (LMDB's); never turn the check off (a hostile record would crash the process).
+            start, end = _mapping_of(lines, known[2], known[3], None)
+            opened = _size_of_open(known[2], known[3]) if start else None
+            if opened is None:
+                self._unreadable = (
+                    f"it could not be checked: {self.data_file} was replaced by another file since this process "
+                    "opened it, and the file it still maps cannot be found; close the dataset and read again"
+                )
+                self._mapped = (self.start, 0, _EMPTY)
+                return
+            size, ident = opened, (known[2], known[3])  # the file this process opened, wherever it is mapped now
         # What may be read through the map: the file's bytes that are mapped (a hostile record can point past
         # either end; another process may have grown the file past this process's map)
-        size = min(st.st_size, end - start)
+        size = min(size, end - start)
         view = _view(start, size) if start and size > 0 else _EMPTY  # read-only; its slices hash (decode needs it)
         self._mapped = (start, size, view)
-        self._found_map = (start, end, st.st_dev, st.st_ino) if start else None
+        self._found_map = (start, end, *ident) if start else None
         if start and start == self.start:
             self.file_size = size
         else:
@@ -304,3 +303,48 @@ class MapGuard:
         if data + size > end:
             return f"its {size:,}-byte value would run past the end of the data file ({end:,} bytes)"
         return data, size, view
+
+
+def _mapping_of(lines: list[str], dev: int, ino: int, real: str | None) -> tuple[int, int]:
+    """(start, end) of the mapping of the file ``dev``/``ino`` from offset 0 in /proc/self/maps's ``lines``, whose
+    path resolves to ``real`` (None: any path, an unlinked file's too), or (0, 0)."""
+    start = end = 0
+    device = f"{os.major(dev):02x}:{os.minor(dev):02x}"
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6:
+            continue
+        try:
+            low, high = (int(part, 16) for part in fields[0].split("-"))
+            inode = int(fields[4])
+        except ValueError:
+            continue
+        if start and low == end and inode == ino:
+            end = high  # the mapping goes on (advice on part of it splits it into several lines)
+        elif start:
+            break
+        elif (
+            fields[2] == "00000000"
+            and inode == ino
+            and (
+                os.path.realpath(fields[5]) == real if real is not None else fields[3] == device  # by inode: its device
+            )
+        ):
+            start, end = low, high
+    return start, end
+
+
+def _size_of_open(dev: int, ino: int) -> int | None:
+    """The size of a file this process holds open (an unlinked one too), by device and inode, or None."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return None
+    for name in names:
+        try:
+            st = os.stat(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (dev, ino):
+            return st.st_size
+    return None
