@@ -933,3 +933,31 @@ def test_a_data_file_replaced_under_a_process_stays_checked(tmp_path):
         assert_same(ds[i], sample_for(i))
     new = os.stat(data)
     assert _guard._size_of_open(new.st_dev, new.st_ino) is None  # the path's new file: not open here
+
+
+def test_a_guard_keeps_its_own_file_when_another_caches_file_takes_its_path(tmp_path):
+    """In one process, another open cache's data.mdb renamed onto this cache's path: the path's new file is mapped
+    here too (by the other cache), and a guard that looked for the path's file adopted that mapping and called its
+    own sound records damaged (270 false errors a run, found by the attack). It follows the file it found first."""
+    n = 300
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    ds1 = CachedDataset(Synthetic(n), first, commit_every=20, map_size=64 << 20)
+    ds2 = CachedDataset(Listed([torch.full((700,), i % 251, dtype=torch.uint8) for i in range(50)]), second)
+    for i in range(100):
+        ds1[i]
+    for i in range(50):
+        ds2[i]
+    ds1.flush()
+    ds2.flush()
+    guard = ds1._live_store().handle._guard
+    start = guard.start
+    # The second cache's very file, renamed: /proc/self/maps then shows its mapping under this cache's path
+    os.replace(os.path.join(second, "data.mdb"), os.path.join(first, "data.mdb"))
+    for i in range(100, n):  # commits grow ds1's own (unlinked) file: its guard looks again
+        assert_same(ds1[i], sample_for(i))
+    ds1.flush()
+    guard.refresh()
+    assert guard.start == start and guard.unreadable == ""
+    for i in range(n):
+        assert_same(ds1[i], sample_for(i))
+    os.link(os.path.join(first, "data.mdb"), os.path.join(second, "data.mdb"))  # its path back, for its close

@@ -120,7 +120,8 @@ class MapGuard:
         # record while another refreshes sees one mapping's figures, never a mix
         self._mapped: tuple[int, int, memoryview] = (0, 0, _EMPTY)
         self._unreadable = ""  # why the last refresh failed (every check then fails with it), or ""
-        self._found_map: tuple[int, int, int, int] | None = None  # (start, end, st_dev, st_ino) of the last full look
+        # (start, end, st_dev, st_ino, the device as /proc/self/maps writes it) of the mapped file at the last full look
+        self._found_map: tuple[int, int, int, int, str] | None = None
         # One refresh at a time: two threads refreshing at once could store the older file size last, and a
         # reader finding its page past that size again would call a sound cache damaged. Today's callers hold
         # the handle's lock; this keeps the guard right without relying on that (tests/test_store.py:
@@ -152,7 +153,7 @@ class MapGuard:
         found = self._found_map
         if found is None or self._unreadable:
             return False
-        start, end, dev, ino = found
+        start, end, dev, ino, _ = found
         try:
             st = os.stat(self.data_file)
         except OSError:
@@ -172,28 +173,29 @@ class MapGuard:
                 lines = f.read().splitlines()
         except OSError as exc:
             if self.start:
-                # Checked before: never fall back to unchecked reads (a hostile record would crash the
-                # process). Every check fails, naming why, and looks again, until this works again.
-                self._unreadable = f"it could not be checked: {exc}"
-                self._mapped = (self.start, 0, _EMPTY)
+                self._refuse(f"it could not be checked: {exc}")  # checked before: never unchecked reads
             return  # never checked (no /proc/self/maps: not Linux): the check stays off, as documented
         self._unreadable = ""
-        start, end = _mapping_of(lines, st.st_dev, st.st_ino, os.path.realpath(self.data_file))
-        size, ident, known = st.st_size, (st.st_dev, st.st_ino), self._found_map
-        if not start and self.start and known is not None and (st.st_dev, st.st_ino) != known[2:]:
-            # Another file at the path (`lmdbcache copy` into a live cache swaps it in): this process still maps
-            # the one it opened, unlinked now. Keep checking against that mapping, its size taken through an open
-            # descriptor of it (LMDB's); never turn the check off (a hostile record would crash the process).
-            start, end = _mapping_of(lines, known[2], known[3], None)
-            opened = _size_of_open(known[2], known[3]) if start else None
-            if opened is None:
-                self._unreadable = (
+        known = self._found_map if self.start else None
+        if known is None:  # the first look: the file at the path
+            start, end, device = _mapping_of(lines, st.st_ino, real=os.path.realpath(self.data_file))
+            size = st.st_size
+            ident = (st.st_dev, st.st_ino, device)
+        else:
+            # The file this guard found first, wherever it is mapped now: the path may hold another one (`lmdbcache
+            # copy` into a live cache swaps it in; this process still maps the one it opened, unlinked), which may
+            # even be mapped here by another cache. Its size through LMDB's open descriptor of it, then; never
+            # turn the check off (a hostile record would crash the process).
+            ident = known[2:]
+            start, end, _ = _mapping_of(lines, ident[1], device=ident[2])
+            opened = st.st_size if (st.st_dev, st.st_ino) == ident[:2] else _size_of_open(*ident[:2])
+            if not start or opened is None:
+                self._refuse(
                     f"it could not be checked: {self.data_file} was replaced by another file since this process "
                     "opened it, and the file it still maps cannot be found; close the dataset and read again"
                 )
-                self._mapped = (self.start, 0, _EMPTY)
                 return
-            size, ident = opened, (known[2], known[3])  # the file this process opened, wherever it is mapped now
+            size = opened
         # What may be read through the map: the file's bytes that are mapped (a hostile record can point past
         # either end; another process may have grown the file past this process's map)
         size = min(size, end - start)
@@ -204,6 +206,11 @@ class MapGuard:
             self.file_size = size
         else:
             self.start, self.file_size = start, size
+
+    def _refuse(self, why: str) -> None:
+        """Every check fails, naming ``why``, until a refresh works again (checked before: never unchecked reads)."""
+        self._unreadable = why
+        self._mapped = (self.start, 0, _EMPTY)
 
     @property
     def unreadable(self) -> str:
@@ -305,11 +312,12 @@ class MapGuard:
         return data, size, view
 
 
-def _mapping_of(lines: list[str], dev: int, ino: int, real: str | None) -> tuple[int, int]:
-    """(start, end) of the mapping of the file ``dev``/``ino`` from offset 0 in /proc/self/maps's ``lines``, whose
-    path resolves to ``real`` (None: any path, an unlinked file's too), or (0, 0)."""
+def _mapping_of(lines: list[str], ino: int, real: str = "", device: str = "") -> tuple[int, int, str]:
+    """(start, end, device field) of the mapping from offset 0 of the file of inode ``ino`` in /proc/self/maps's
+    ``lines``, whose path resolves to ``real`` or (an unlinked file too) whose device field is ``device``, or
+    (0, 0, ""). The device as the maps write it, not ``st_dev``: on btrfs or overlayfs the two differ."""
     start = end = 0
-    device = f"{os.major(dev):02x}:{os.minor(dev):02x}"
+    found = ""
     for line in lines:
         fields = line.split(maxsplit=5)
         if len(fields) < 6:
@@ -326,12 +334,10 @@ def _mapping_of(lines: list[str], dev: int, ino: int, real: str | None) -> tuple
         elif (
             fields[2] == "00000000"
             and inode == ino
-            and (
-                os.path.realpath(fields[5]) == real if real is not None else fields[3] == device  # by inode: its device
-            )
+            and (fields[3] == device if device else os.path.realpath(fields[5]) == real)
         ):
-            start, end = low, high
-    return start, end
+            start, end, found = low, high, fields[3]
+    return start, end, found
 
 
 def _size_of_open(dev: int, ino: int) -> int | None:
