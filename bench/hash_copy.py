@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -58,6 +59,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--side", type=int, default=224)
     p.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "lmdbcache-bench-single"))
     p.add_argument("--so", action="append", default=[], metavar="NAME=PATH")
+    p.add_argument("--shuffled", action="store_true", help="read the samples in a random order (seeded)")
     args = p.parse_args(argv)
     core = _native.core
     if core is None:
@@ -90,11 +92,14 @@ def main(argv: list[str]) -> None:
     for i in range(len(samples)):  # every page mapped in before the clock
         copy_only(i)
     print(f"load average {os.getloadavg()}, hash loops: {core.HASH_SIMD}", flush=True)
+    order = list(range(len(samples)))
+    if args.shuffled:
+        random.Random(0).shuffle(order)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.reps):
         for name, fn in variants.items():
             start = time.perf_counter()
-            for i in range(len(samples)):
+            for i in order:
                 fn(i)
             times[name].append((time.perf_counter() - start) / len(samples) * 1e6)
     base = times["copy only"]
