@@ -91,7 +91,10 @@ def main(argv: list[str]) -> None:
         assert all(fn(i) in (None, want) for fn in variants.values()), i
     for i in range(len(samples)):  # every page mapped in before the clock
         copy_only(i)
-    print(f"load average {os.getloadavg()}, hash loops: {core.HASH_SIMD}", flush=True)
+    print(
+        f"load average {os.getloadavg()}, hash loops: {core.HASH_SIMD}, prefetched {core.COPY_AHEAD} bytes ahead",
+        flush=True,
+    )
     order = list(range(len(samples)))
     if args.shuffled:
         random.Random(0).shuffle(order)
