@@ -1525,3 +1525,55 @@ def test_a_snapshot_found_after_a_retry_gets_its_own_refresh(tmp_path: Any) -> N
             holder.wait(30)
     for i in (0, 700, 1700):
         assert_same(ds[i], sample_for(i))
+
+
+class _OneBig(torch.utils.data.Dataset):
+    """One sample of 16 MiB: its copy out of the map releases the GIL for milliseconds."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor]:
+        return (torch.full((16 << 20,), 7, dtype=torch.uint8),)
+
+
+class _Shapes(torch.utils.data.Dataset):
+    """A flat signature per index (a tensor of i + 1 bytes): more than the decoder's 4,096 cached plans."""
+
+    def __len__(self) -> int:
+        return 4200
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.full((i + 1,), i % 251, dtype=torch.uint8), i
+
+
+def test_a_plan_outlives_another_thread_clearing_the_plans(tmp_path: Any) -> None:
+    """A read keeps its decode plan alive while it copies with the GIL released: another thread that plans its
+    4,097th signature (which empties the plan cache) and reads a planned value meanwhile frees nothing in use
+    (issue 38: a use-after-free in flat_sample, a segfault; ``make native-asan`` runs this under ASan)."""
+    big = CachedDataset(_OneBig(), str(tmp_path / "big"), fingerprint="big")
+    shapes = CachedDataset(_Shapes(), str(tmp_path / "shapes"), fingerprint="shapes")
+    big[0]
+    big.flush()
+    stop, bad = threading.Event(), []
+
+    def read_big() -> None:
+        while not stop.is_set():
+            (image,) = big[0]
+            if image.numel() != 16 << 20 or int(image[-1]) != 7:
+                bad.append(image.shape)
+
+    reader = threading.Thread(target=read_big)
+    reader.start()
+    try:
+        for _ in range(2):  # each pass plans 4,200 signatures: the cache of plans is emptied in both
+            for i in range(len(shapes)):
+                for _ in range(2):  # the first read plans the signature, the second decodes with that plan
+                    image, label = shapes[i]
+                    assert label == i and image.numel() == i + 1 and int(image[0]) == i % 251
+    finally:
+        stop.set()
+        reader.join()
+    assert not bad
+    big.close()
+    shapes.close()

@@ -1470,10 +1470,13 @@ static PyObject *py_set_plans(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-/* The plan of the signature at [sig, sig + n) (borrowed; valid while the GIL is held), or NULL: not planned. */
+/* The plan of the signature at [sig, sig + n) (a new reference), or NULL: not planned. Strong, not borrowed:
+ * flat_sample releases the GIL and calls numpy and torch while it uses the plan, and meanwhile another thread
+ * may plan another signature (replacing last_plan) and clear the dict (format/_records.py's remember empties it
+ * when full), which would free a borrowed plan under it. */
 static PyObject *plan_of(const uint8_t *sig, Py_ssize_t n) {
     if (last_key != NULL && PyBytes_GET_SIZE(last_key) == n && !memcmp(PyBytes_AS_STRING(last_key), sig, (size_t)n))
-        return last_plan;
+        return Py_NewRef(last_plan);
     if (flat_plans == NULL) return NULL;
     PyObject *key = PyBytes_FromStringAndSize((const char *)sig, n);
     if (key == NULL) return NULL;
@@ -1484,7 +1487,7 @@ static PyObject *plan_of(const uint8_t *sig, Py_ssize_t n) {
     }
     Py_XSETREF(last_key, key);
     Py_XSETREF(last_plan, Py_NewRef(plan));
-    return plan;
+    return Py_NewRef(plan);
 }
 
 /* Bytes from which a copy releases the GIL (as NOGIL_MIN for a hash). */
@@ -1495,6 +1498,9 @@ static PyObject *plan_of(const uint8_t *sig, Py_ssize_t n) {
  * exception set: not a planned flat value, or a check failed (the caller hands Python the view). Every offset
  * below is checked against ``size`` first; ``verify``: the data checksum too; ``cold``: the value is being read
  * from the disk (advise_if_cold said so), so its copy releases the GIL whatever its size. */
+static PyObject *planned_sample(PyObject *plan, const uint8_t *v, uint64_t size, uint64_t index, int verify,
+                                int cold);
+
 static PyObject *flat_sample(const uint8_t *v, uint64_t size, uint64_t index, int verify, int cold) {
     if (size < 27 || memcmp(v, "LMC\x02", 4) || v[24] != 0xC1) return NULL;
     uint64_t klen = (uint64_t)le16(v + 25) + 2;
@@ -1504,6 +1510,15 @@ static PyObject *flat_sample(const uint8_t *v, uint64_t size, uint64_t index, in
     if (xxh3_64(v + 24, hashed, index) != le64(v + 8)) return NULL;
     PyObject *plan = plan_of(v + 25, (Py_ssize_t)klen);
     if (plan == NULL) return NULL;
+    PyObject *sample = planned_sample(plan, v, size, index, verify, cold);
+    Py_DECREF(plan); /* held across the copy's GIL release and the calls into numpy and torch */
+    return sample;
+}
+
+/* flat_sample's decode of the value at v under ``plan`` (a strong reference the caller holds throughout). */
+static PyObject *planned_sample(PyObject *plan, const uint8_t *v, uint64_t size, uint64_t index, int verify,
+                                int cold) {
+    uint64_t ssize = le32(v + 4);
     unsigned long long struct_size = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(plan, 0));
     unsigned long long value_size = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(plan, 1));
     unsigned long long scalars_at = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(plan, 2));
