@@ -2061,7 +2061,15 @@ static int fill_prepare(Fill *f, PyObject *plan, PyObject *dests, PyObject *scal
         return -1;
     Py_ssize_t nfields = f->nfields = PyTuple_GET_SIZE(positions), got = 0;
     uint64_t hi = (uint64_t)rows;
-    if (nfields > MAX_FIELDS || nfields != PyList_GET_SIZE(dests)) {
+    /* A tuple of the destinations: taking a buffer can run Python code (a class's __buffer__), which could edit
+     * the list under a borrowed item. */
+    PyObject *held = PyList_AsTuple(dests);
+    if (held == NULL) {
+        PyBuffer_Release(&f->key);
+        return -1;
+    }
+    dests = held;
+    if (nfields > MAX_FIELDS || nfields != PyTuple_GET_SIZE(dests)) {
         PyErr_SetString(PyExc_ValueError, "fill: fields, destinations and rows do not agree");
         goto fail;
     }
@@ -2072,7 +2080,7 @@ static int fill_prepare(Fill *f, PyObject *plan, PyObject *dests, PyObject *scal
             goto fail;
         }
         if (!PyArg_ParseTuple(field, "KK", &f->pos[got], &f->nbytes[got])) goto fail;
-        if (PyObject_GetBuffer(PyList_GET_ITEM(dests, got), &f->out[got], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(dests, got), &f->out[got], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
             goto fail;
         /* Every row written must lie in its buffer, checked here, before the GIL is released. */
         if (f->nbytes[got] && (uint64_t)f->out[got].len / f->nbytes[got] < hi) {
@@ -2099,8 +2107,10 @@ static int fill_prepare(Fill *f, PyObject *plan, PyObject *dests, PyObject *scal
         PyErr_SetString(PyExc_ValueError, "fill: the plan's fields do not tile its value");
         goto fail;
     }
+    Py_DECREF(held); /* each buffer holds its own reference to its object */
     return 0;
 fail:
+    Py_DECREF(held);
     fill_release(f, got);
     return -1;
 }
