@@ -37,7 +37,7 @@ from lmdbcache import (
     NotACacheError,
     ReadOnlyCacheError,
 )
-from lmdbcache.store import _fs, _registry
+from lmdbcache.store import _fs, _pages, _registry
 
 GOLDEN = Path(__file__).parent / "data" / "golden-v1"
 
@@ -160,6 +160,66 @@ def test_damaged_data_file_gives_its_own_error(cache_dir, damage, match):
     assert ds.cached_count == 0
     assert_same(ds[3], sample_for(3))
     ds.close()
+
+
+def _fill_until_the_last_page_is(cache_dir, free: bool) -> CachedDataset:
+    """A real lazy fill of Synthetic(400), a flush every 3 samples, stopped at the first commit after which the file's
+    last page is (``free``) on no tree or (not ``free``) in use: judged on a copy cut one page short."""
+    ds = CachedDataset(Synthetic(400), cache_dir)
+    data = cache_dir / "data.mdb"
+    for i in range(400):
+        ds[i]
+        if i % 3 == 2:
+            ds.flush()
+            copy = cache_dir.parent / "short.mdb"
+            shutil.copyfile(data, copy)
+            os.truncate(copy, data.stat().st_size - 4096)
+            if (_pages.reachable_past(str(copy), 4096) == -1) == free:
+                return ds
+    raise AssertionError("no commit of the fill left its last page as asked")
+
+
+def test_a_file_short_only_by_free_pages_opens_and_reads_whole(cache_dir):
+    """A data.mdb shorter than LMDB's last page number only by pages on no tree (LMDB can commit a page it never
+    writes; issue 38) opens, reads every sample back, takes more writes and opens again, on both paths."""
+    ds = _fill_until_the_last_page_is(cache_dir, free=True)
+    filled = ds.cached_count
+    ds.close()
+    _registry._stores.clear()
+    data = cache_dir / "data.mdb"
+    os.truncate(data, data.stat().st_size - 4096)  # the state issue 38 met: one unwritten free page at the end
+    with lmdb.open(str(cache_dir), readonly=True, lock=False) as env:
+        assert data.stat().st_size < (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    cached = CachedDataset.open(cache_dir)
+    assert len(cached) == 400 and cached.cached_count == filled
+    for i in range(filled):
+        assert_same(cached[i], sample_for(i))
+    cached.close()
+    ds = CachedDataset(Synthetic(400), cache_dir)  # opened with its source: the rest fills in
+    for i in range(400):
+        assert_same(ds[i], sample_for(i))
+    ds.close()
+    _registry._stores.clear()
+    again = CachedDataset.open(cache_dir)
+    assert again.cached_count == 400
+    assert_same(again[399], sample_for(399))
+    again.close()
+
+
+def test_a_file_cut_through_a_page_in_use_is_refused_as_truncated(cache_dir):
+    """A data.mdb cut one page short where that page is on a tree is still refused with the truncation error,
+    naming the page, and nothing is written."""
+    ds = _fill_until_the_last_page_is(cache_dir, free=False)
+    ds.close()
+    _registry._stores.clear()
+    data = cache_dir / "data.mdb"
+    os.truncate(data, data.stat().st_size - 4096)
+    size = data.stat().st_size
+    with pytest.raises(CorruptCacheError, match=r"pages need \d+ \(page \d+ is in use\) \(truncated by a copy"):
+        CachedDataset.open(cache_dir)
+    with pytest.raises(CorruptCacheError, match="truncated"):
+        CachedDataset(Synthetic(400), cache_dir)
+    assert data.stat().st_size == size
 
 
 def test_foreign_lmdb_environment_is_refused(cache_dir):

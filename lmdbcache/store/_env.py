@@ -92,7 +92,8 @@ def open_databases(env: lmdb.Environment, path: str, readonly: bool) -> tuple[An
     Raises ``lmdb.Error`` for the caller to translate (it closes ``env`` first).
     """
     # Before any page beyond the meta pages is touched: a truncated file would SIGBUS.
-    check_size(path, (env.info()["last_pgno"] + 1) * env.stat()["psize"])
+    psize = env.stat()["psize"]
+    check_size(path, (env.info()["last_pgno"] + 1) * psize, psize)
     for resized in range(RESIZE_RETRIES + 1):
         try:
             with env.begin() as txn:

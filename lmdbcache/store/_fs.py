@@ -26,6 +26,7 @@ from typing import Any
 
 from .._options import MIB
 from ..errors import CacheFullError, CorruptCacheError, LmdbCacheWarning, NotACacheError
+from ._pages import reachable_past
 
 __all__ = [
     "DATA_FILE",
@@ -179,14 +180,21 @@ def check_data_file(path: str, overwrite: bool) -> bool:
     )
 
 
-def check_size(path: str, needed: int) -> None:
-    """A data.mdb shorter than its last page (``needed`` bytes) would SIGBUS on read: refuse it up front."""
-    size = os.path.getsize(os.path.join(path, DATA_FILE))
-    if size < needed:
-        raise CorruptCacheError(
-            f"Cache '{path}' is damaged: {DATA_FILE} is {size} bytes but its pages need {needed} "
-            "(truncated by a copy or a full disk?). Delete the directory, or pass overwrite=True to rebuild it."
-        )
+def check_size(path: str, needed: int, psize: int) -> None:
+    """A data.mdb shorter than its last page (``needed`` bytes) would SIGBUS on a read of a page past its end: refuse
+    it up front, unless no tree points past the end (LMDB can commit pages it never wrote: ``_pages``)."""
+    data = os.path.join(path, DATA_FILE)
+    size = os.path.getsize(data)
+    if size >= needed:
+        return
+    past = reachable_past(data, psize)
+    if past == -1:
+        return  # only free pages are missing: every read and write stays inside the file
+    where = f" (page {past} is in use)" if past is not None else ""
+    raise CorruptCacheError(
+        f"Cache '{path}' is damaged: {DATA_FILE} is {size} bytes but its pages need {needed}{where} "
+        "(truncated by a copy or a full disk?). Delete the directory, or pass overwrite=True to rebuild it."
+    )
 
 
 def remove_lmdb_files(path: str) -> None:

@@ -1,0 +1,132 @@
+"""Whether every page a read or a write can reach lies inside data.mdb: the open's check of a short file.
+
+LMDB records its last page number in the meta page, and a file shorter than that page is usually
+truncated (a copy cut short, a full disk): a read of a page past the end kills the process with
+SIGBUS. But a healthy file can be shorter too: LMDB can allocate a page in a write transaction,
+free it in the same transaction (a page merged away, overflow pages of a value replaced) and
+commit it to the free list without ever writing it (issue 38: a lazily filled packed cache one
+page short, every sample intact). Such a page is never read: nothing points at it.
+
+So a short file is judged by what points at the missing pages: ``reachable_past`` walks, from
+the current meta page, the free database and the main database with every named database in it,
+reading every page of each tree with ``os.pread`` (never the map: a page past the end reads short
+instead of faulting) and judging it by its own flags, as LMDB does: each branch's children, and
+each leaf's overflow spans (LMDB checks only an overflow value's first page number, against its
+last page, before reading it). Pages within the last page number are what LMDB itself bounds, so
+the file holds everything any read or write can reach exactly when no tree points past its end.
+The walk reads the tree pages (not the values): for a million samples of 150 KB, about 35 MB.
+Layout: LMDB 0.9's, as in ``_guard``; any other is not judged here (None: the caller keeps
+refusing a short file).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+__all__ = ["reachable_past"]
+
+_MAGIC, _VERSION = 0xBEEFC0DE, 1
+_P_BRANCH, _P_LEAF, _P_OVERFLOW, _P_META, _P_LEAF2 = 0x01, 0x02, 0x04, 0x08, 0x20
+_F_BIGDATA, _F_SUBDATA = 0x01, 0x02
+_HEADER = struct.Struct("<QHHHH")  # pgno, pad, flags, lower, upper
+_NODE = struct.Struct("<HHHH")  # lo, hi, flags, ksize
+_DB = struct.Struct("<IHHQQQQQ")  # pad, flags, depth, branch, leaf, overflow pages, entries, root
+_NO_ROOT = 2**64 - 1
+
+
+class _Short(Exception):
+    """A page, or a page's content, lies past the end of the file."""
+
+    def __init__(self, pgno: int) -> None:
+        super().__init__(pgno)
+        self.pgno = pgno
+
+
+def reachable_past(path: str, psize: int) -> int | None:
+    """The first page number past the end of ``path`` (data.mdb) that the current snapshot points at, or -1 if
+    none does (the file is short only by pages on no tree: it is whole); None if the file's layout is not one
+    this walk knows (not judged)."""
+    with open(path, "rb") as f:
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
+        walk = _Walk(fd, psize, size // psize)
+        meta = walk.meta()
+        if meta is None:
+            return None
+        free, main = meta
+        try:
+            walk.tree(free, named=False)
+            walk.tree(main, named=True)
+        except _Short as exc:
+            return exc.pgno
+        except (ValueError, struct.error, OSError):
+            return None  # a page that does not parse: not judged here (the reads say what is wrong)
+        return -1
+
+
+class _Walk:
+    def __init__(self, fd: int, psize: int, npages: int) -> None:
+        self.fd, self.psize, self.npages = fd, psize, npages
+        self.seen: set[int] = set()
+
+    def page(self, pgno: int) -> bytes:
+        if pgno >= self.npages:
+            raise _Short(pgno)
+        if pgno in self.seen:  # no page of a sound file is on two trees, nor twice on one
+            raise ValueError(f"page {pgno} is reached twice")
+        self.seen.add(pgno)
+        data = os.pread(self.fd, self.psize, pgno * self.psize)
+        if len(data) < self.psize:
+            raise _Short(pgno)
+        return data
+
+    def meta(self) -> tuple[bytes, bytes] | None:
+        """(free, main) MDB_db records of the meta page with the higher transaction id."""
+        best: tuple[int, bytes, bytes] | None = None
+        for pgno in (0, 1):
+            try:
+                page = os.pread(self.fd, 160, pgno * self.psize)
+            except OSError:
+                return None
+            if len(page) < 160 or not _HEADER.unpack_from(page)[2] & _P_META:
+                return None
+            magic, version = struct.unpack_from("<II", page, 16)
+            if magic != _MAGIC or version != _VERSION:
+                return None
+            txnid = struct.unpack_from("<Q", page, 144)[0]
+            if best is None or txnid > best[0]:
+                best = (txnid, page[40:88], page[88:136])
+        return None if best is None else best[1:]
+
+    def tree(self, record: bytes, named: bool) -> None:
+        """Every page of the tree of the MDB_db ``record``, each read and judged by its own flags (as LMDB judges
+        it, not by the record's depth); ``named``: its leaves hold named databases, walked too."""
+        root = _DB.unpack(record)[-1]
+        stack = [] if root == _NO_ROOT else [root]
+        while stack:
+            page = self.page(stack.pop())
+            flags, lower = _HEADER.unpack_from(page)[2:4]
+            if flags & _P_BRANCH:
+                for at in self._nodes(page, lower):
+                    lo, hi, fl, _ = _NODE.unpack_from(page, at)
+                    stack.append(lo | hi << 16 | fl << 32)
+            elif flags & _P_LEAF and not flags & _P_LEAF2:
+                for at in self._nodes(page, lower):
+                    self._leaf_node(page, at, named)
+
+    @staticmethod
+    def _nodes(page: bytes, lower: int) -> tuple[int, ...]:
+        count = max(0, min(lower, len(page)) - _HEADER.size) // 2
+        return struct.unpack_from(f"<{count}H", page, _HEADER.size)
+
+    def _leaf_node(self, page: bytes, at: int, named: bool) -> None:
+        lo, hi, flags, ksize = _NODE.unpack_from(page, at)
+        data = at + 8 + ksize
+        if flags & _F_SUBDATA and named:
+            self.tree(page[data : data + _DB.size], named=False)
+        elif flags & _F_BIGDATA:  # LMDB checks the first page's number only: the span must lie in the file
+            first = struct.unpack_from("<Q", page, data)[0]
+            pages = -(-(_HEADER.size + (lo | hi << 16)) // self.psize)
+            if first + pages > self.npages:
+                raise _Short(max(first, self.npages))
