@@ -318,7 +318,7 @@ class CachedDataset(Dataset[Any]):
         # script's exit, see store/_registry.py) mid-batch keeps what it already decoded.
         for i, raw in self._source_samples(indices):
             value = encode_miss(raw, i)
-            store.add(i, store.compress(value), self._build, self._policy)
+            store = store.queue(i, value, self._build, self._policy, self._live_store)  # (another if closed)
             # Decoded from the bytes just stored: exactly what a later hit returns (same types,
             # contiguous, writable). No data checksum: these bytes never left this process.
             out.append(decode_new(value, i))
@@ -335,7 +335,7 @@ class CachedDataset(Dataset[Any]):
             add_note(exc, f"lmdbcache: raised by the source dataset reading index {index} (cache '{self.path}')")
             raise
         value = encode_miss(raw, index)
-        store.add(index, store.compress(value), self._build, self._policy)
+        store.queue(index, value, self._build, self._policy, self._live_store)  # or a reopened one
         return decode_new(value, index)  # as _fill: exactly what a later hit returns
 
     def _read_source(self, indices: list[int]) -> list[Any]:

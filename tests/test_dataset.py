@@ -637,6 +637,56 @@ def test_close_from_one_thread_while_others_read_then_reopen_in_the_same_process
     ds.close()
 
 
+def test_every_sample_a_read_returned_is_committed_when_close_races_the_misses(cache_dir):
+    """Two threads filling misses while another closes the dataset 800 times: every sample a read returned is in
+    the cache afterwards (issue 38: 4-11 were lost), and a read that did not return raised CacheClosedError."""
+    import threading
+
+    from lmdbcache import CacheClosedError
+
+    n = 1 << 20
+    ds = CachedDataset(Synthetic(n), cache_dir)
+    stop, returned, unexpected = threading.Event(), [set(), set()], []
+
+    def fill(k: int) -> None:
+        for i in range(k, n, 2):
+            if stop.is_set():
+                return
+            try:
+                ds[i]
+                returned[k].add(i)
+            except CacheClosedError:
+                pass
+            except Exception as exc:
+                unexpected.append(repr(exc))
+
+    threads = [threading.Thread(target=fill, args=(k,)) for k in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in range(800):
+            ds.close()
+            time.sleep(0.002)  # the readers run between the closes (not a threshold: any pace shows a loss)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+    ds.flush()
+    ds.close()
+    assert not unexpected, unexpected[:3]
+    done = returned[0] | returned[1]
+    assert len(done) > 400
+    cached = CachedDataset.open(cache_dir)
+    lost = []
+    for i in sorted(done):
+        try:
+            assert_same(cached[i], sample_for(i))
+        except lmdbcache.SampleNotCachedError:
+            lost.append(i)
+    assert not lost, f"{len(lost)} samples a read returned were never committed: {lost[:10]}"
+    cached.close()
+
+
 def test_a_batch_read_right_after_this_processs_fill_finds_every_index(cache_dir):
     """The read transaction kept across a fill's misses is renewed after this process's own commit: the loader's
     first batch after ``ds[i]`` filled the cache and ``flush()`` committed it finds every index (no fallback)."""

@@ -59,7 +59,7 @@ from typing import Any
 import lmdb
 
 from .._options import MIB, parse_size
-from ..errors import CacheMismatchError, CorruptCacheError, LmdbCacheWarning
+from ..errors import CacheClosedError, CacheMismatchError, CorruptCacheError, LmdbCacheWarning
 from ..format import _compress
 from ..format._frames import require
 from . import _metadata
@@ -126,6 +126,20 @@ class Store:
         self.iter_keys = self._scanner.iter_keys
         self.cached_near = self._scanner.cached_near
         self.keys_before_start = self._scanner.keys_before_start
+
+    def queue(self, index: int, value: bytes, build: str | None, policy: Policy, reopen: Callable[[], Store]) -> Store:
+        """``add(index, compress(value))`` here, or in the store ``reopen()`` returns if another thread's close() closed
+        this one for good meanwhile (it committed all queued before): whatever a read returns is committed (issue 38,
+        reads racing close() lost samples they had returned). Returns the store that took the sample."""
+        store = self
+        while True:
+            try:
+                store.add(index, store.compress(value), build, policy)
+                return store
+            except CacheClosedError:
+                if not store.retired:
+                    raise
+                store = reopen()
 
     def get_many(self, indices: list[int], always: bool = False, build: str | None = None) -> list[Any]:
         """``Reader.get_many``: a batch decoded in one read transaction, misses as ``MISSING``."""

@@ -32,7 +32,7 @@ import filelock
 import lmdb
 
 from .. import _native
-from ..errors import CacheMismatchError, CorruptCacheError, LmdbCacheError, ReadOnlyCacheError
+from ..errors import CacheClosedError, CacheMismatchError, CorruptCacheError, LmdbCacheError, ReadOnlyCacheError
 from ..format import _group, _pack
 from ..format._group import index_key
 from . import _fs, _metadata
@@ -129,6 +129,11 @@ class Writer:
         """
         h = self._h
         with self._lock:  # not acquire() then try: a Ctrl-C between the two would leave the lock held for good
+            if h.retired:  # closed for good by another thread: a sample queued here would never be committed
+                raise CacheClosedError(
+                    f"Cache '{h.path}' was closed by another thread before index {index} could be queued; "
+                    "nothing was lost. Use the dataset again: it reopens the cache."
+                )
             if build is not h.build and build is not None and build != h.build:
                 raise h.mismatch(build)
             if h._stale is not None:
