@@ -67,6 +67,7 @@ class CommitQueue:
         self.pending_bytes = 0
         self.inflight: dict[int, bytes] = {}
         self.written = 0  # samples this queue's commits actually wrote (existing keys are skipped)
+        self.dropped = 0  # samples of batches whose commit failed: decoded, never committed
         # The strictest policy among the queued samples, and when the oldest must be committed.
         self._every = self._bytes = 0
         self._deadline = 0.0
@@ -245,6 +246,7 @@ class CommitQueue:
                 self.written += written
                 if error is not None:
                     self._error = error
+                    self.dropped += len(batch)
                 if self._on_idle is not None:
                     self._on_idle()
                 cond.notify_all()

@@ -229,12 +229,20 @@ os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent, aft
 def _flush_all_at_exit() -> None:
     for store in list(_stores.values()):
         if store.owned:
+            dropped = store.writer.dropped
             try:
                 store.close()
             except Exception as exc:
-                warnings.warn(
-                    f"lmdbcache: could not commit queued samples at exit: {exc}", LmdbCacheWarning, stacklevel=1
-                )
+                # Only a loss is worth a word: a sync that failed after every commit (the cache directory deleted
+                # already, say: a TemporaryDirectory) lost nothing, and a later crash is what the marker is for.
+                lost = store.writer.uncommitted() - dropped
+                if lost > 0:
+                    warnings.warn(
+                        f"lmdbcache: {lost} samples decoded by this process were not committed to cache "
+                        f"'{store.path}' at exit (they are decoded again when next read): {exc}",
+                        LmdbCacheWarning,
+                        stacklevel=1,
+                    )
     if _terminating:
         # Ended by SIGTERM: the queue is committed and synced; now end as torch's handler would have
         # (``_exit``), before the other finalizers: joining a result queue's feeder thread whose pipe the

@@ -145,6 +145,15 @@ class Writer:
                 )
             self._queue.add(index, value, policy)
 
+    @property
+    def dropped(self) -> int:
+        """Samples whose commit failed since this writer began: decoded, never committed."""
+        return self._queue.dropped
+
+    def uncommitted(self) -> int:
+        """``dropped`` and the samples still queued or in flight."""
+        return self._queue.dropped + len(self._queue.pending) + len(self._queue.inflight)
+
     def flush(self) -> int:
         """Commit this process's queued samples and wait for them; return how many were queued."""
         with self._lock:
