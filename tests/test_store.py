@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -541,6 +542,61 @@ def _big_cache(cache_dir, n: int = 24) -> None:
     for i in range(n):
         ds[i]
     ds.close()
+
+
+_COLD_CHILD = """
+import os, random, resource, sys
+from lmdbcache import CachedDataset
+
+def read_bytes():
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+
+ds = CachedDataset.open(sys.argv[1])
+order = random.Random(int(sys.argv[2])).sample(range(len(ds)), len(ds))
+before, io = resource.getrusage(resource.RUSAGE_SELF).ru_majflt, read_bytes()
+for i in order:
+    image, label = ds[i]
+    assert label == i
+print(resource.getrusage(resource.RUSAGE_SELF).ru_majflt - before, read_bytes() - io)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="counts major page faults and /proc/self/io: Linux")
+@pytest.mark.parametrize("pure", [False, True], ids=["core", "pure-python"])
+def test_cold_large_values_are_read_in_one_request_not_a_fault_per_page(cache_dir, pure):
+    """Large values read from the disk are announced before they are copied, on both paths: a fresh process
+    reading 60 evicted 27 KiB values in random order takes under 2 major page faults a value, not the 7 a value
+    of unannounced 4 KiB faults (issue 39: the core asked about a page it had touched, 37 faults a 150 KB value).
+    Counted, not timed; the disk reads are checked to have happened (else the eviction did not take here)."""
+    if not pure and lmdbcache._native.core is None:
+        pytest.skip("the compiled core is not built (or LMDBCACHE_PURE_PYTHON=1)")
+    n = 60
+    _big_cache(cache_dir, n)
+    fd = os.open(cache_dir / "data.mdb", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    out = _run_cold(cache_dir, pure)
+    faults, read = (int(x) for x in out.split())
+    value = big_sample(0)[0].numel()
+    assert read >= n * value * 0.9, f"only {read} bytes came from the disk: the eviction did not take"
+    assert faults < 2 * n, f"{faults} major page faults for {n} cold values of {value} bytes"
+
+
+def _run_cold(cache_dir, pure: bool) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "LMDBCACHE_PURE_PYTHON"}
+    if pure:
+        env["LMDBCACHE_PURE_PYTHON"] = "1"
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root
+    result = subprocess.run(
+        [sys.executable, "-c", _COLD_CHILD, str(cache_dir), "7"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="the prefetch needs /proc/self/maps")
