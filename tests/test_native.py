@@ -1577,3 +1577,39 @@ def test_a_plan_outlives_another_thread_clearing_the_plans(tmp_path: Any) -> Non
     assert not bad
     big.close()
     shapes.close()
+
+
+_SMALL_COLD_CHILD = """
+import random, resource, sys
+from lmdbcache import CachedDataset
+ds = CachedDataset.open(sys.argv[1])
+order = random.Random(5).sample(range(len(ds)), len(ds))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+for i in order:
+    image, label = ds[i]
+    assert label == i and int(image[0, 0, 0]) == i % 251
+print(resource.getrusage(resource.RUSAGE_SELF).ru_majflt - before)
+"""
+
+
+@needs_core
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise to drop the file's cached pages")
+def test_cold_small_values_on_two_pages_are_read_in_one_request(tmp_path: Any) -> None:
+    """A cold 3 KiB value that straddles a page boundary (three in four do) is announced and read in one request,
+    not two page faults each waiting for the disk (issue 39): 1,000 evicted values of 3x32x32 read in random order
+    in a fresh process take under 0.5 major faults a value (0.79 unannounced). Counted, not timed."""
+    path = str(tmp_path / "c.lmdb")
+    n = 1000
+    ds = CachedDataset(Listed([(torch.full((3, 32, 32), i % 251, dtype=torch.uint8), i) for i in range(n)]), path)
+    ds.__getitems__(list(range(n)))
+    ds.close()
+    fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    out = _child(_SMALL_COLD_CHILD.replace("sys.argv[1]", repr(path)))
+    assert out.returncode == 0, out.stderr
+    faults = int(out.stdout)
+    assert faults < n // 2, f"{faults} major page faults for {n} cold values of 3 KiB"

@@ -895,6 +895,15 @@ static int pack_value(const Map *m, uint64_t offset, uint64_t size, uint64_t j, 
 /* The OS page size (set at import), for the advice below. */
 static long os_page = 0;
 
+/* Whether the value at [offset, offset + size) lies on two pages or more: cold, it is read in one request if
+ * announced (advise_if_cold), else in a page fault a page, each waiting for the disk in turn. A 3 KiB value
+ * straddles a page boundary three times in four; one cold read then cost two waits (issue 39). */
+static int spans_pages(const Map *m, uint64_t offset, uint64_t size) {
+    if (os_page <= 0 || size < 2) return 0;
+    uintptr_t start = (uintptr_t)(m->base + offset);
+    return start / (uintptr_t)os_page != (start + size - 1) / (uintptr_t)os_page;
+}
+
 /* A large value whose last page is not in memory is announced to the kernel (MADV_WILLNEED) before it is
  * copied: one read for all of it instead of a page fault per page, since the map is opened without readahead
  * (issue #14, lmdbcache/_guard.py). mincore() of one page tells cold from warm: a warm value costs that one
@@ -1671,7 +1680,7 @@ static PyObject *tree_sample(PyObject *self, PyObject *const *args, Py_ssize_t n
     tree_index(t, 1, 0); /* a value found: see tree_index */
     int cold = 0, timed = 0;
     uint64_t began = 0;
-    if (t->advise_min && size >= t->advise_min) {
+    if (t->advise_min && (size >= t->advise_min || spans_pages(&t->m, offset, size))) {
         if (t->warm_run < WARM_TRUSTED) {
             cold = advise_if_cold(&t->m, offset, size);
             t->warm_run = cold ? 0 : t->warm_run + 1;
