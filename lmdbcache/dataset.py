@@ -446,17 +446,24 @@ class CachedDataset(Dataset[Any]):
         return f"CachedDataset('{self.path}', {self._length} samples, {source})"
 
 
-def spot_check(store: Store, count: int, encoded: Callable[[int], bytes], fix: str) -> None:
+def spot_check(
+    store: Store, count: int, encoded: Callable[[int], bytes], fix: str, among: Sequence[int] | None = None
+) -> None:
     """Re-decode ``count`` random cached indices and compare them with the cache; CacheMismatchError on a difference.
 
     ``encoded(index)`` is the source's sample at ``index``, encoded; ``fix`` ends the message
-    (what the caller can do). Shared by ``CachedDataset`` and ``precompute``.
+    (what the caller can do). Shared by ``CachedDataset`` and ``precompute``. ``among``: the
+    cached indices to choose from (precompute's own share: another rank's indices are that
+    rank's to decode); by default, the first cached index at or after random starts.
     """
     meta = store.meta()
     length, fingerprint = meta["length"], meta["fingerprint"]
     rng = random.Random()
-    starts = [rng.randrange(length) for _ in range(min(count, length))]
-    for index in store.cached_near(starts):
+    if among is not None:
+        chosen = rng.sample(among, min(count, len(among)))
+    else:
+        chosen = store.cached_near([rng.randrange(length) for _ in range(min(count, length))])
+    for index in chosen:
         stored = store.raw(index)
         if stored is None:
             continue

@@ -38,7 +38,9 @@ class Synthetic(Dataset):
         if self.delay:
             time.sleep(self.delay)
         if self.count_dir is not None:
-            with open(os.path.join(self.count_dir, f"{os.getpid()}.reads"), "a") as f:
+            rank = os.environ.get("LOCAL_RANK")  # torchrun's: whose reads these are (workers inherit it)
+            name = f"{os.getpid()}.reads" if rank is None else f"rank{rank}.{os.getpid()}.reads"
+            with open(os.path.join(self.count_dir, name), "a") as f:
                 f.write(f"{i}\n")
         return sample_for(i)
 
@@ -73,6 +75,16 @@ def source_reads(count_dir: str) -> list[int]:
         if name.endswith(".reads"):
             with open(os.path.join(count_dir, name)) as f:
                 out += [int(line) for line in f]
+    return out
+
+
+def reads_by_rank(count_dir: str) -> dict[int, list[int]]:
+    """The indices each torchrun local rank (its own process and its workers) asked the source for."""
+    out: dict[int, list[int]] = {}
+    for name in os.listdir(count_dir):
+        if name.startswith("rank") and name.endswith(".reads"):
+            with open(os.path.join(count_dir, name)) as f:
+                out.setdefault(int(name[4:].split(".")[0]), []).extend(int(line) for line in f)
     return out
 
 

@@ -144,8 +144,9 @@ def precompute(
     ``CacheMismatchError``, as another ``compress`` does.
 
     An existing cache is spot-checked first, as ``CachedDataset(dataset, path)`` does:
-    ``spot_check`` random cached indices are decoded again, and a difference (changed
-    preprocessing under the same class and length) raises ``CacheMismatchError``; 0 skips it.
+    ``spot_check`` random cached indices of this run's share are decoded again, and a difference
+    (changed preprocessing under the same class and length) raises ``CacheMismatchError``; 0
+    skips it. No index of another shard or local rank is decoded here, checks included.
 
     Raises ``SourceItemError`` naming the index when the dataset raises (what was written
     is kept). Ctrl-C commits what was decoded, stops the workers and returns with
@@ -172,9 +173,9 @@ def precompute(
         _DEFAULT_PACK if pack is None else pack,
     )  # fmt: skip
     try:
+        todo, held = _split_cached(run.store, indices, length)
         if not overwrite:
-            _check_existing(run, dataset, pack, spot_check)
-        todo = _not_cached(run.store, indices, length)
+            _check_existing(run, dataset, pack, spot_check, held)
         halted = _fill(run, dataset, todo, workers, batch_size, progress, check_determinism, allow_nondeterministic)
         cached = run.store.count()
         if run.written:
@@ -190,8 +191,12 @@ def precompute(
     return PrecomputeResult(path, run.written, len(indices) - len(todo), seconds, cached, length, size, halted)
 
 
-def _check_existing(run: _Run, dataset: Any, pack: int | None, count: int) -> None:
-    """Refuse an existing cache packed otherwise than ``pack`` asks, or whose samples differ from ``dataset``'s."""
+def _check_existing(run: _Run, dataset: Any, pack: int | None, count: int, cached: list[int]) -> None:
+    """Refuse an existing cache packed otherwise than ``pack`` asks, or whose samples differ from ``dataset``'s.
+
+    The spot check decodes only ``cached`` indices of this run's own share: under torchrun, another rank's
+    indices (cached by it a moment ago, or in an earlier run) are that rank's to decode and check (issue 38).
+    """
     found = run.store.meta().get("pack", 0)
     if pack is not None and found != pack:
         has = f"pack={found}" if found else "no packs (pack=0)"
@@ -206,6 +211,7 @@ def _check_existing(run: _Run, dataset: Any, pack: int | None, count: int) -> No
             functools.partial(_encode_source, dataset),
             "Pass overwrite=True to rebuild it, or build into another path (with a fingerprint= that names what "
             "changed). (spot_check=0 skips this check.)",
+            among=cached,
         )
 
 
@@ -319,8 +325,9 @@ class _Run:
                 self.commit()
 
 
-def _not_cached(store: Store, indices: range, length: int) -> list[int]:
-    """The indices of ``indices`` the cache does not hold (a byte per index, or a set for huge datasets)."""
+def _split_cached(store: Store, indices: range, length: int) -> tuple[list[int], list[int]]:
+    """The indices of ``indices`` the cache does not hold, and those it holds (a byte per index, or a set for huge
+    datasets, marks what it holds)."""
     done: bytearray | set[int] = bytearray(length) if length <= 1 << 28 else set()
     for index in store.iter_keys():
         if index < length:
@@ -328,7 +335,11 @@ def _not_cached(store: Store, indices: range, length: int) -> list[int]:
                 done.add(index)
             else:
                 done[index] = 1
-    return [i for i in indices if not (i in done if isinstance(done, set) else done[i])]
+    todo: list[int] = []
+    cached: list[int] = []
+    for i in indices:
+        (cached if (i in done if isinstance(done, set) else done[i]) else todo).append(i)
+    return todo, cached
 
 
 def _fill(
