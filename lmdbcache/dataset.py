@@ -451,19 +451,14 @@ def spot_check(
 ) -> None:
     """Re-decode ``count`` random cached indices and compare them with the cache; CacheMismatchError on a difference.
 
-    ``encoded(index)`` is the source's sample at ``index``, encoded; ``fix`` ends the message
-    (what the caller can do). Shared by ``CachedDataset`` and ``precompute``. ``among``: the
-    cached indices to choose from (precompute's own share: another rank's indices are that
-    rank's to decode); by default, the first cached index at or after random starts.
-    """
+    ``encoded(index)`` is the source's sample at ``index``, encoded; ``fix`` ends the message (what the caller
+    can do). ``among``: the cached indices to choose from (precompute's own share: another rank's are that
+    rank's to decode), by default the first cached at or after random starts. Shared by ``CachedDataset``
+    and ``precompute``."""
     meta = store.meta()
-    length, fingerprint = meta["length"], meta["fingerprint"]
-    rng = random.Random()
-    if among is not None:
-        chosen = rng.sample(among, min(count, len(among)))
-    else:
-        chosen = store.cached_near([rng.randrange(length) for _ in range(min(count, length))])
-    for index in chosen:
+    length, fingerprint, rng = meta["length"], meta["fingerprint"], random.Random()
+    starts = [rng.randrange(length) for _ in range(min(count, length))]
+    for index in rng.sample(among, min(count, len(among))) if among is not None else store.cached_near(starts):
         stored = store.raw(index)
         if stored is None:
             continue

@@ -5,12 +5,23 @@ from __future__ import annotations
 import json
 import signal
 import time
+import uuid
 from collections import Counter
 
 import pytest
 import torch
-from helpers import Synthetic, assert_same, reads_by_rank, sample_for, small_disk
+from helpers import (
+    TAG,
+    Synthetic,
+    assert_none_outlive,
+    assert_same,
+    held_children,
+    reads_by_rank,
+    sample_for,
+    small_disk,
+)
 from test_cli import SPEC, cli, one_line_error, slow_precompute
+from test_commit import wait_until
 from test_processes import check_cache, wait_for_count
 
 from lmdbcache import CachedDataset, CacheMismatchError, precompute, tools
@@ -146,6 +157,26 @@ def test_a_killed_precompute_loses_about_a_second_of_work(cache_dir):
         proc.wait(timeout=30)
     with CachedDataset.open(cache_dir) as partial:
         assert 100 <= partial.cached_count < n
+
+
+@pytest.mark.parametrize("moment", ["forking", "forked", "running"])
+def test_no_worker_outlives_a_sigkilled_precompute(cache_dir, tmp_path, moment):
+    """precompute SIGKILLed as its first worker forks, with both forked and not yet started, or while they decode:
+    every process of it ends (a worker started after its parent's death polled for it forever, issue 38)."""
+    tag, hold = uuid.uuid4().hex, tmp_path / "hold"
+    hold.mkdir()
+    spec = (SPEC,) if moment == "running" else ("helpers:HeldAtFork", "--arg", f"hold_dir={json.dumps(str(hold))}")
+    proc = cli("precompute", *spec, str(cache_dir), "--arg", "n=3000", "--arg", "delay=0.002", "--workers", "2",
+               "--commit-every", "50", "--quiet", wait=False, env={TAG: tag})  # fmt: skip
+    with proc:
+        if moment == "running":
+            wait_for_count(cache_dir, 100)
+        else:
+            assert wait_until(lambda: len(held_children(str(hold))) >= (1 if moment == "forking" else 2), 120)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    (hold / "go").touch()  # held workers go on, into their first step, with their parent gone
+    assert_none_outlive(tag)
 
 
 def test_precompute_on_a_full_disk(tmp_path):

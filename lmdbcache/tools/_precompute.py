@@ -26,6 +26,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
+from .._children import die_with_parent, start_workers
 from .._options import check_options, parse_size
 from ..dataset import dataset_length, default_fingerprint, spot_check
 from ..errors import (
@@ -335,11 +336,8 @@ def _split_cached(store: Store, indices: range, length: int) -> tuple[list[int],
                 done.add(index)
             else:
                 done[index] = 1
-    todo: list[int] = []
-    cached: list[int] = []
-    for i in indices:
-        (cached if (i in done if isinstance(done, set) else done[i]) else todo).append(i)
-    return todo, cached
+    held = [i for i in indices if (i in done if isinstance(done, set) else done[i])]
+    return [i for i in indices if not (i in done if isinstance(done, set) else done[i])], held
 
 
 def _fill(
@@ -399,15 +397,17 @@ def _write_all(run: _Run, dataset: Any, todo: list[int], workers: int, batch_siz
         num_workers=workers,
         collate_fn=_collate,
         prefetch_factor=4 if workers else None,
-        worker_init_fn=_ignore_interrupts if workers else None,
+        worker_init_fn=functools.partial(_worker_start, os.getpid()) if workers else None,
     )
     bar = progress_bar(len(todo) + run.written, "sample", progress is False, initial=run.written, smoothing=0.1)
     batches: Iterator[_Batch] | None = None
+    release = None
     try:
         with interrupts_held():  # an interrupted start would leave workers that nothing shuts down
-            batches = iter(loader)
+            started, release = start_workers(functools.partial(iter, loader))  # a thread that outlives them
+            batches = started
         with interrupts_outside_locks():  # one inside the index queue's put would hang its shutdown below
-            _queue_all(run, batches, bar)
+            _queue_all(run, started, bar)
     except KeyboardInterrupt:
         run.final_commit(progress is False)  # before the workers go: what they handed over is kept
         raise
@@ -418,6 +418,8 @@ def _write_all(run: _Run, dataset: Any, todo: list[int], workers: int, batch_siz
         shutdown = getattr(batches, "_shutdown_workers", None)  # the DataLoader's own clean shutdown
         if shutdown is not None:
             shutdown()
+        if release is not None:
+            release()
 
 
 def _queue_all(run: _Run, batches: Iterable[_Batch], bar: Any) -> None:
@@ -469,7 +471,9 @@ def _collate(batch: _Batch) -> _Batch:
 # ---------------------------------------------------------------------- Ctrl-C
 
 
-def _ignore_interrupts(worker_id: int) -> None:
-    """A worker's first step: ignore SIGINT (see the module docstring), which ``interrupts_held`` blocked."""
+def _worker_start(parent: int, worker_id: int) -> None:
+    """A worker's first steps: die with ``parent`` however it ends (``_children``, issue 38), and ignore SIGINT
+    (see the module docstring), which ``interrupts_held`` blocked."""
+    die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
