@@ -10,7 +10,8 @@ where the parent died before the request; a worker whose parent is gone exits th
 than on Linux only the check runs, and torch's watch covers the rest (a worker busy in a sample
 when its parent dies finishes that sample first). Under ``forkserver`` a worker's parent is the
 fork server, a child of the starting process, which outlives it (``_watch`` says why): such a
-worker watches the starting process itself, on a thread.
+worker watches the starting process itself, on a thread (elsewhere than on Linux, where there is
+no ``/proc`` to tell a fork server from a process that adopted an orphan, only pid 1 is refused).
 
 The kernel sends the signal when the *thread* that forked the worker ends, not its process
 (prctl(2)), and a DataLoader forks its workers on the thread that calls ``iter()``. The main
@@ -42,10 +43,11 @@ def die_with_parent(parent: int, worker_id: int = 0) -> None:
 
     Shaped as a DataLoader ``worker_init_fn`` once ``parent`` is bound (``functools.partial``, which pickles).
     """
-    if sys.platform.startswith("linux"):
+    linux = sys.platform.startswith("linux")
+    if linux:
         _request_death_signal()
     ppid = os.getppid()  # read after the request: a parent that ends from here on sends the signal
-    if ppid == parent:
+    if ppid == parent or (not linux and ppid != 1):  # no /proc to tell a fork server from an adopter there
         return
     if ppid <= 1 or _parent_of(ppid) != parent or not _watch(parent):
         os._exit(0)  # the parent is gone: nobody reads this worker's results, and nobody would stop it
@@ -70,7 +72,9 @@ def _watch(parent: int) -> bool:
 
 def _wait_for_end(parent: int, pidfd: int | None) -> None:
     if pidfd is not None:
-        select.select([pidfd], [], [])  # readable once the process has ended
+        poll = select.poll()
+        poll.register(pidfd, select.POLLIN)
+        poll.poll()  # readable once the process has ended
     else:
         while _parent_of(os.getppid()) == parent:  # the fork server is adopted by init when ``parent`` ends
             time.sleep(0.5)
