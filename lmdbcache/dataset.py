@@ -446,17 +446,19 @@ class CachedDataset(Dataset[Any]):
         return f"CachedDataset('{self.path}', {self._length} samples, {source})"
 
 
-def spot_check(store: Store, count: int, encoded: Callable[[int], bytes], fix: str) -> None:
+def spot_check(
+    store: Store, count: int, encoded: Callable[[int], bytes], fix: str, among: Sequence[int] | None = None
+) -> None:
     """Re-decode ``count`` random cached indices and compare them with the cache; CacheMismatchError on a difference.
 
-    ``encoded(index)`` is the source's sample at ``index``, encoded; ``fix`` ends the message
-    (what the caller can do). Shared by ``CachedDataset`` and ``precompute``.
-    """
+    ``encoded(index)`` is the source's sample at ``index``, encoded; ``fix`` ends the message (what the caller
+    can do). ``among``: the cached indices to choose from (precompute's own share: another rank's are that
+    rank's to decode), by default the first cached at or after random starts. Shared by ``CachedDataset``
+    and ``precompute``."""
     meta = store.meta()
-    length, fingerprint = meta["length"], meta["fingerprint"]
-    rng = random.Random()
+    length, fingerprint, rng = meta["length"], meta["fingerprint"], random.Random()
     starts = [rng.randrange(length) for _ in range(min(count, length))]
-    for index in store.cached_near(starts):
+    for index in rng.sample(among, min(count, len(among))) if among is not None else store.cached_near(starts):
         stored = store.raw(index)
         if stored is None:
             continue

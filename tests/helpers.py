@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
+import signal
 import struct
 import subprocess
 import time
@@ -38,7 +40,9 @@ class Synthetic(Dataset):
         if self.delay:
             time.sleep(self.delay)
         if self.count_dir is not None:
-            with open(os.path.join(self.count_dir, f"{os.getpid()}.reads"), "a") as f:
+            rank = os.environ.get("LOCAL_RANK")  # torchrun's: whose reads these are (workers inherit it)
+            name = f"{os.getpid()}.reads" if rank is None else f"rank{rank}.{os.getpid()}.reads"
+            with open(os.path.join(self.count_dir, name), "a") as f:
                 f.write(f"{i}\n")
         return sample_for(i)
 
@@ -74,6 +78,79 @@ def source_reads(count_dir: str) -> list[int]:
             with open(os.path.join(count_dir, name)) as f:
                 out += [int(line) for line in f]
     return out
+
+
+def reads_by_rank(count_dir: str) -> dict[int, list[int]]:
+    """The indices each torchrun local rank (its own process and its workers) asked the source for."""
+    out: dict[int, list[int]] = {}
+    for name in os.listdir(count_dir):
+        if name.startswith("rank") and name.endswith(".reads"):
+            with open(os.path.join(count_dir, name)) as f:
+                out.setdefault(int(name[4:].split(".")[0]), []).extend(int(line) for line in f)
+    return out
+
+
+TAG = "LMDBCACHE_TEST_TAG"  # in the environment of a run whose processes must all end (``assert_none_outlive``)
+
+
+def tagged_processes(tag: str) -> dict[int, str]:
+    """Live processes (zombies count as ended) whose environment holds ``TAG=tag``: pid -> command line.
+
+    Children inherit the environment, forked or spawned, and keep it when an orphan is adopted
+    by init, so this finds every process of a run wherever it now hangs in the process tree.
+    """
+    needle, found = f"{TAG}={tag}".encode(), {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{name}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # ended meanwhile
+            continue
+        if state not in (b"Z", b"X"):
+            found[int(name)] = command
+    return found
+
+
+def assert_none_outlive(tag: str, timeout: float = 90) -> None:
+    """No process of the run tagged ``tag`` is alive, at the latest ``timeout`` s from now (a generous deadline
+    for a loaded machine: it returns as soon as none is left)."""
+    deadline = time.monotonic() + timeout
+    while (left := tagged_processes(tag)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:  # the test fails, and leaves nothing behind
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes of a killed run still alive after {timeout:.0f} s: {left}"
+
+
+def hold_child(hold_dir: str) -> None:
+    """In a new child process: note its pid in ``hold_dir``, then wait until ``hold_dir/go`` exists (a worker held
+    before its first step, so that its parent can be killed there)."""
+    with open(os.path.join(hold_dir, f"{os.getpid()}.held"), "w"):
+        pass
+    deadline = time.monotonic() + 300
+    while not os.path.exists(os.path.join(hold_dir, "go")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def held_children(hold_dir: str) -> list[int]:
+    """The pids ``hold_child`` noted in ``hold_dir``."""
+    return [int(name.split(".")[0]) for name in os.listdir(hold_dir) if name.endswith(".held")]
+
+
+class HeldAtFork(Synthetic):
+    """``Synthetic`` whose process holds each child it forks (its DataLoader workers) in ``hold_child``."""
+
+    def __init__(self, n: int = 64, hold_dir: str = "", delay: float = 0.0) -> None:
+        super().__init__(n, delay)
+        os.register_at_fork(after_in_child=functools.partial(hold_child, hold_dir))
 
 
 class Failing(Dataset):

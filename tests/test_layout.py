@@ -4,7 +4,7 @@ Parsed with ``ast`` (nothing is imported): every ``import``/``from ... import`` 
 at module level, inside functions and under ``TYPE_CHECKING``, plus modules named in strings
 passed to ``import_module``. Parts, lowest first::
 
-    base     errors, _version, _options           (imports no other part)
+    base     errors, _version, _options, _children (imports no other part)
     format   bytes <-> samples                     (base)
     store    one cache directory in one process    (format, base)
     dataset  CachedDataset                         (store, format, base)
@@ -47,7 +47,7 @@ def part_of(module: str) -> str:
         return "store"  # the compiled core serves the read path
     if names[1] == "dataset":
         return "dataset"
-    if names[1] in ("errors", "_version", "_options"):
+    if names[1] in ("errors", "_version", "_options", "_children"):
         return "base"
     return "face"
 

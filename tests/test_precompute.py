@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import time
+import uuid
+from collections import Counter
 
 import pytest
 import torch
-from helpers import Synthetic, assert_same, sample_for, small_disk
+from helpers import (
+    TAG,
+    Synthetic,
+    assert_none_outlive,
+    assert_same,
+    held_children,
+    reads_by_rank,
+    sample_for,
+    small_disk,
+)
 from test_cli import SPEC, cli, one_line_error, slow_precompute
+from test_commit import wait_until
 from test_processes import check_cache, wait_for_count
 
 from lmdbcache import CachedDataset, CacheMismatchError, precompute, tools
@@ -146,6 +159,26 @@ def test_a_killed_precompute_loses_about_a_second_of_work(cache_dir):
         assert 100 <= partial.cached_count < n
 
 
+@pytest.mark.parametrize("moment", ["forking", "forked", "running"])
+def test_no_worker_outlives_a_sigkilled_precompute(cache_dir, tmp_path, moment):
+    """precompute SIGKILLed as its first worker forks, with both forked and not yet started, or while they decode:
+    every process of it ends (a worker started after its parent's death polled for it forever, issue 38)."""
+    tag, hold = uuid.uuid4().hex, tmp_path / "hold"
+    hold.mkdir()
+    spec = (SPEC,) if moment == "running" else ("helpers:HeldAtFork", "--arg", f"hold_dir={json.dumps(str(hold))}")
+    proc = cli("precompute", *spec, str(cache_dir), "--arg", "n=3000", "--arg", "delay=0.002", "--workers", "2",
+               "--commit-every", "50", "--quiet", wait=False, env={TAG: tag})  # fmt: skip
+    with proc:
+        if moment == "running":
+            wait_for_count(cache_dir, 100)
+        else:
+            assert wait_until(lambda: len(held_children(str(hold))) >= (1 if moment == "forking" else 2), 120)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    (hold / "go").touch()  # held workers go on, into their first step, with their parent gone
+    assert_none_outlive(tag)
+
+
 def test_precompute_on_a_full_disk(tmp_path):
     """On a disk that fills up, precompute exits 1 saying so (path, free space); the cache stays consistent."""
     with small_disk(tmp_path, "24m") as mount:
@@ -176,6 +209,37 @@ def test_torchrun_local_ranks_split_the_work(cache_dir):
         assert proc.returncode == 0, err
         written.append(int(out.split()[1]))
     assert sum(written) == n and all(w == n // 2 for w in written)
+    check_cache(cache_dir, n)
+
+
+def test_torchrun_ranks_never_decode_each_others_indices(cache_dir, tmp_path):
+    """Two local ranks over a half-filled cache: each index is decoded by one rank only, its spot check and its
+    determinism check included, and twice only for that rank's determinism check (issue 38)."""
+    n, check = 120, 3
+    with CachedDataset(Synthetic(n), cache_dir) as ds:
+        for i in range(50):
+            ds[i]
+    counts = tmp_path / "counts"
+    counts.mkdir()
+    args = ("--arg", f"n={n}", "--arg", f"count_dir={json.dumps(str(counts))}", "--workers", "1", "--quiet")
+    checks = ("--spot-check", "20", "--check-determinism", str(check))
+    procs = []
+    for rank in range(2):
+        env = {"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2", "RANK": str(rank), "WORLD_SIZE": "2"}
+        procs.append(cli("precompute", SPEC, str(cache_dir), *args, *checks, wait=False, env=env))
+    for proc in procs:
+        with proc:
+            _, err = proc.communicate(timeout=120)
+    assert [proc.returncode for proc in procs] == [0, 0], err
+    reads = reads_by_rank(str(counts))
+    assert sorted(reads) == [0, 1]
+    for rank, indices in reads.items():
+        assert {i % 2 for i in indices} == {rank}  # rank r of 2 owns i % 2 == r, checks included
+        todo = list(range(50 + rank, n, 2))
+        twice = sorted(i for i, k in Counter(indices).items() if k == 2)
+        assert twice == todo[:check] and max(Counter(indices).values()) == 2
+        assert len([i for i in indices if i < 50]) == 20  # its spot check: 20 of its own 25 cached indices
+        assert set(todo) <= set(indices)
     check_cache(cache_dir, n)
 
 

@@ -25,9 +25,11 @@ TESTS = Path(__file__).parent
 ROOT = TESTS.parent
 
 
-def run_script(code: str, *args: str, wait: bool = True, **kwargs) -> subprocess.Popen | subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter with the package and tests/helpers importable."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
+def run_script(
+    code: str, *args: str, wait: bool = True, env: dict | None = None, **kwargs
+) -> subprocess.Popen | subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter with the package and tests/helpers importable (``env``: added)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)]), **(env or {})}
     argv = [sys.executable, "-c", textwrap.dedent(code), *args]
     if not wait:
         return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)

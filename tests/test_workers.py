@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
+import subprocess
+import sys
 import threading
 import time
+import uuid
 
 import pytest
 import torch
-from helpers import Synthetic
+from helpers import TAG, Synthetic, assert_none_outlive, held_children
+from test_cli import ROOT, TESTS
+from test_commit import wait_until
 from test_loader import close_mid_pass, random_transform, reference, same, warm
 
 from lmdbcache import CachedDataset, InvalidOptionError
@@ -161,3 +167,75 @@ def test_a_loader_forking_workers_beside_a_thread_pass_that_holds_the_generator_
     assert sum(len(labels) for _, labels in results) == 32
     a.close()
     b.close()
+
+
+KILLED_LOADER = """
+import functools, os, sys, time
+from helpers import hold_child
+from lmdbcache import CachedDataset
+
+HOLD = os.environ.get("HOLD_DIR")
+
+
+def slow(sample):
+    time.sleep(0.002)
+    return sample
+
+
+if __name__ == "__mp_main__" and HOLD:  # a spawn worker importing this script: held before its first step
+    hold_child(HOLD)
+if __name__ == "__main__":
+    path, context = sys.argv[1:3]
+    if HOLD and context == "fork":
+        os.register_at_fork(after_in_child=functools.partial(hold_child, HOLD))
+    ds = CachedDataset.open(path, transform=slow)
+    with ds.loader(4, num_workers=2, multiprocessing_context=context) as loader:
+        while True:
+            for _ in loader:
+                print("batch", flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("context", "moment"), [("fork", "held"), ("spawn", "held"), ("fork", "running"), ("forkserver", "running")]
+)
+def test_no_worker_outlives_a_sigkilled_loader(cache_dir, tmp_path, context, moment):
+    """A Loader's process SIGKILLed with its workers started but not yet at their first step, or while they build
+    batches: every process of it ends (issue 38), under fork, spawn and forkserver."""
+    warm(CachedDataset(Synthetic(40), cache_dir)).close()
+    script, hold, tag = tmp_path / "killed_loader.py", tmp_path / "hold", uuid.uuid4().hex
+    script.write_text(KILLED_LOADER)
+    hold.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)]), TAG: tag}
+    if moment == "held":
+        env["HOLD_DIR"] = str(hold)
+    argv = [sys.executable, str(script), str(cache_dir), context]
+    with subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as proc:
+        if moment == "held":
+            assert wait_until(lambda: len(held_children(str(hold))) == 2, 120)
+        else:
+            for _ in range(3):
+                assert proc.stdout is not None and proc.stdout.readline() == "batch\n"
+        proc.kill()
+        proc.wait(timeout=60)
+    (hold / "go").touch()
+    assert_none_outlive(tag)
+
+
+def test_workers_started_from_a_thread_that_ends_serve_the_pass_on(cache_dir):
+    """A worker pass started on a thread that then ends goes on in another thread: its workers die with the
+    process, not with the thread that started them (PR_SET_PDEATHSIG follows the forking thread), and once the
+    pass ends no thread of it is left."""
+    ds = transformed(cache_dir)
+    with ds.loader(4, shuffle=True, seed=3, num_workers=2) as loader:
+        full = list(loader)
+    with ds.loader(4, shuffle=True, seed=3, num_workers=2) as loader:
+        box = []
+        thread = threading.Thread(target=lambda: box.append((it := iter(loader), next(it))))
+        thread.start()
+        thread.join()
+        it, first = box.pop()
+        (parent,) = [t for t in threading.enumerate() if t.name == "lmdbcache-workers-parent"]  # forked them
+        same([first, *it], full)
+    parent.join(timeout=30)  # released at the pass's end, it ends on its own
+    assert not parent.is_alive()

@@ -8,20 +8,24 @@ DataLoader's ``batch_sampler``), each index is seeded from (seed, epoch, index) 
 the threads, so both paths give equal batches, and the worker collates the batch straight
 into shared memory (``default_collate``; without a transform, ``lmdbcache.collate``'s one-copy
 path). The workers live for one pass, as DataLoader's (not persistent) do: however the pass
-ends, no process or thread stays behind. Starting them costs a fork per worker per epoch
-(with ``spawn``, an interpreter and the imports).
+ends, no process or thread stays behind, and none outlives the loader's process however it
+ends, a SIGKILL while they start included (``_children``). Starting them costs a fork per
+worker per epoch (with ``spawn``, an interpreter and the imports).
 """
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
+import os
 import pickle
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from .._children import die_with_parent, start_workers
 from ..errors import InvalidOptionError, add_note
 from ._collate import collate
 from ._pass import PassSpec, ended, one_by_one, stray
@@ -69,11 +73,14 @@ class WorkerPass:
             pin_memory=spec.pin_memory,
             prefetch_factor=max(2, -(-spec.prefetch // count)),
             multiprocessing_context=spec.multiprocessing_context,
+            worker_init_fn=functools.partial(die_with_parent, os.getpid()),  # issue 38: no worker outlives us
         )
+        self.release: Callable[[], None] | None = None
         try:
             with warnings.catch_warnings():  # torch's own hint names neither lmdbcache nor num_workers=0
                 warnings.filterwarnings("ignore", "Got pickle error when attempting to start a worker")
-                self.iterator: Iterator[Any] | None = iter(dataloader)
+                self.iterator: Iterator[Any] | None
+                self.iterator, self.release = start_workers(functools.partial(iter, dataloader))
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
             if "pickle" not in str(exc).lower():
                 raise
@@ -116,3 +123,6 @@ class WorkerPass:
         shutdown = getattr(iterator, "_shutdown_workers", None)  # the DataLoader's own clean shutdown
         if shutdown is not None:
             shutdown()
+        release, self.release = self.release, None
+        if release is not None:
+            release()  # the thread that forked the workers may end (``_children.start_workers``)

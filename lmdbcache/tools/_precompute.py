@@ -26,6 +26,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
+from .._children import die_with_parent, start_workers
 from .._options import check_options, parse_size
 from ..dataset import dataset_length, default_fingerprint, spot_check
 from ..errors import (
@@ -144,8 +145,9 @@ def precompute(
     ``CacheMismatchError``, as another ``compress`` does.
 
     An existing cache is spot-checked first, as ``CachedDataset(dataset, path)`` does:
-    ``spot_check`` random cached indices are decoded again, and a difference (changed
-    preprocessing under the same class and length) raises ``CacheMismatchError``; 0 skips it.
+    ``spot_check`` random cached indices of this run's share are decoded again, and a difference
+    (changed preprocessing under the same class and length) raises ``CacheMismatchError``; 0
+    skips it. No index of another shard or local rank is decoded here, checks included.
 
     Raises ``SourceItemError`` naming the index when the dataset raises (what was written
     is kept). Ctrl-C commits what was decoded, stops the workers and returns with
@@ -172,9 +174,9 @@ def precompute(
         _DEFAULT_PACK if pack is None else pack,
     )  # fmt: skip
     try:
+        todo, held = _split_cached(run.store, indices, length)
         if not overwrite:
-            _check_existing(run, dataset, pack, spot_check)
-        todo = _not_cached(run.store, indices, length)
+            _check_existing(run, dataset, pack, spot_check, held)
         halted = _fill(run, dataset, todo, workers, batch_size, progress, check_determinism, allow_nondeterministic)
         cached = run.store.count()
         if run.written:
@@ -190,8 +192,12 @@ def precompute(
     return PrecomputeResult(path, run.written, len(indices) - len(todo), seconds, cached, length, size, halted)
 
 
-def _check_existing(run: _Run, dataset: Any, pack: int | None, count: int) -> None:
-    """Refuse an existing cache packed otherwise than ``pack`` asks, or whose samples differ from ``dataset``'s."""
+def _check_existing(run: _Run, dataset: Any, pack: int | None, count: int, cached: list[int]) -> None:
+    """Refuse an existing cache packed otherwise than ``pack`` asks, or whose samples differ from ``dataset``'s.
+
+    The spot check decodes only ``cached`` indices of this run's own share: under torchrun, another rank's
+    indices (cached by it a moment ago, or in an earlier run) are that rank's to decode and check (issue 38).
+    """
     found = run.store.meta().get("pack", 0)
     if pack is not None and found != pack:
         has = f"pack={found}" if found else "no packs (pack=0)"
@@ -206,6 +212,7 @@ def _check_existing(run: _Run, dataset: Any, pack: int | None, count: int) -> No
             functools.partial(_encode_source, dataset),
             "Pass overwrite=True to rebuild it, or build into another path (with a fingerprint= that names what "
             "changed). (spot_check=0 skips this check.)",
+            among=cached,
         )
 
 
@@ -319,8 +326,9 @@ class _Run:
                 self.commit()
 
 
-def _not_cached(store: Store, indices: range, length: int) -> list[int]:
-    """The indices of ``indices`` the cache does not hold (a byte per index, or a set for huge datasets)."""
+def _split_cached(store: Store, indices: range, length: int) -> tuple[list[int], list[int]]:
+    """The indices of ``indices`` the cache does not hold, and those it holds (a byte per index, or a set for huge
+    datasets, marks what it holds)."""
     done: bytearray | set[int] = bytearray(length) if length <= 1 << 28 else set()
     for index in store.iter_keys():
         if index < length:
@@ -328,7 +336,8 @@ def _not_cached(store: Store, indices: range, length: int) -> list[int]:
                 done.add(index)
             else:
                 done[index] = 1
-    return [i for i in indices if not (i in done if isinstance(done, set) else done[i])]
+    held = [i for i in indices if (i in done if isinstance(done, set) else done[i])]
+    return [i for i in indices if not (i in done if isinstance(done, set) else done[i])], held
 
 
 def _fill(
@@ -388,15 +397,17 @@ def _write_all(run: _Run, dataset: Any, todo: list[int], workers: int, batch_siz
         num_workers=workers,
         collate_fn=_collate,
         prefetch_factor=4 if workers else None,
-        worker_init_fn=_ignore_interrupts if workers else None,
+        worker_init_fn=functools.partial(_worker_start, os.getpid()) if workers else None,
     )
     bar = progress_bar(len(todo) + run.written, "sample", progress is False, initial=run.written, smoothing=0.1)
     batches: Iterator[_Batch] | None = None
+    release = None
     try:
         with interrupts_held():  # an interrupted start would leave workers that nothing shuts down
-            batches = iter(loader)
+            started, release = start_workers(functools.partial(iter, loader))  # a thread that outlives them
+            batches = started
         with interrupts_outside_locks():  # one inside the index queue's put would hang its shutdown below
-            _queue_all(run, batches, bar)
+            _queue_all(run, started, bar)
     except KeyboardInterrupt:
         run.final_commit(progress is False)  # before the workers go: what they handed over is kept
         raise
@@ -407,6 +418,8 @@ def _write_all(run: _Run, dataset: Any, todo: list[int], workers: int, batch_siz
         shutdown = getattr(batches, "_shutdown_workers", None)  # the DataLoader's own clean shutdown
         if shutdown is not None:
             shutdown()
+        if release is not None:
+            release()
 
 
 def _queue_all(run: _Run, batches: Iterable[_Batch], bar: Any) -> None:
@@ -458,7 +471,9 @@ def _collate(batch: _Batch) -> _Batch:
 # ---------------------------------------------------------------------- Ctrl-C
 
 
-def _ignore_interrupts(worker_id: int) -> None:
-    """A worker's first step: ignore SIGINT (see the module docstring), which ``interrupts_held`` blocked."""
+def _worker_start(parent: int, worker_id: int) -> None:
+    """A worker's first steps: die with ``parent`` however it ends (``_children``, issue 38), and ignore SIGINT
+    (see the module docstring), which ``interrupts_held`` blocked."""
+    die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})

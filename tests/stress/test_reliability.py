@@ -9,13 +9,25 @@ import os
 import random
 import signal
 import time
+import uuid
 
 import lmdb
 import msgpack
 import pytest
 import torch
 from conftest import scaled
-from helpers import Big, Huge, Listed, Synthetic, assert_same, sample_for, small_disk, total_written
+from helpers import (
+    TAG,
+    Big,
+    Huge,
+    Listed,
+    Synthetic,
+    assert_none_outlive,
+    assert_same,
+    sample_for,
+    small_disk,
+    total_written,
+)
 from test_cli import _flip_in_file, cli
 from test_processes import check_cache, run_script, wait_for_count
 
@@ -134,18 +146,20 @@ def _dead_readers(ds) -> list[str]:
 
 def test_writers_sigkilled_at_random_moments(cache_dir):
     """Fillers and precomputes SIGKILLed at random moments: after each kill the cache opens, every committed
-    sample equals its source, no reader slot of a dead process is left, and the rest refills."""
+    sample equals its source, no reader slot of a dead process is left, no process of the killed one outlives
+    it (precompute's workers, issue 38), and the rest refills."""
     n = scaled(2000, 30000)
     rng = random.Random(0)
     kills = scaled(4, 30)
     counts = []
     for k in range(kills):
+        tag = {TAG: uuid.uuid4().hex}
         if k % 2 == 0:
-            proc = run_script(FILLER, str(cache_dir), str(n), str(k), wait=False)
+            proc = run_script(FILLER, str(cache_dir), str(n), str(k), wait=False, env=tag)
         else:
             proc = cli(
                 "precompute", "helpers:Synthetic", str(cache_dir), "--arg", f"n={n}", "--arg", "delay=0.001",
-                "--workers", "2", "--commit-every", "20", "--quiet", wait=False,
+                "--workers", "2", "--commit-every", "20", "--quiet", wait=False, env=tag,
             )  # fmt: skip
         with proc:
             if k:
@@ -153,6 +167,7 @@ def test_writers_sigkilled_at_random_moments(cache_dir):
             time.sleep(rng.uniform(0.0, 0.6))
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=60)
+        assert_none_outlive(tag[TAG])
         ds = CachedDataset(Synthetic(n), cache_dir)  # opening reclaims dead readers
         assert _dead_readers(ds) == []
         store = ds._live_store()
