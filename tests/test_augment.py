@@ -159,19 +159,94 @@ def test_batches_match_the_torch_reference(tmp_path, read_path, monkeypatch, nam
     ds = cached(tmp_path / "c", hwc=hwc)
     if read_path == "native":  # every batch through core.augment, none through the torch path
         monkeypatch.setattr(_fused.Fused, "pure", lambda *a: pytest.fail("the native batch fell back"))
-    plan = aug.compile_plan(PIPELINES[name])
     loader = Loader(ds, 8, shuffle=True, seed=7, augment=PIPELINES[name], image_layout="HWC" if hwc else None)
-    for epoch in range(2):
+    assert_matches_the_reference(loader, aug.compile_plan(PIPELINES[name]), read_path, epochs=2)
+
+
+def assert_matches_the_reference(loader, plan, read_path, epochs):
+    """Every image of ``epochs`` epochs of ``loader`` (seed 7) equals ``reference`` (within 1 where the core
+    resized it)."""
+    for epoch in range(epochs):
         loader.set_epoch(epoch)
         for images, labels in loader:
             assert images.dtype == torch.uint8 and images.shape[1:] == (3, *plan.size)
             for row, index in enumerate(labels.tolist()):
                 want, box = expected(plan, 7, epoch, index, image_for(index))
+                assert box[2] >= 1 and box[3] >= 1, f"index {index}: an empty box {box}"
                 got = images[row]
                 resized = box[4:6] != box[2:4]
                 tolerance = 1 if read_path == "native" and resized else 0
                 diff = (got.int() - want.int()).abs().max().item()
                 assert diff <= tolerance, f"index {index} epoch {epoch} box {box}: off by {diff}"
+
+
+BAD_OPTIONS = {  # issue 38: each was accepted, then failed later with a raw error (or a 27 GB allocation)
+    "resize-past-the-cap": (lambda: Resize(70000), r"Resize: size must be an int in 1\.\.65536"),
+    "resize-2**63": (lambda: Resize(2**63), r"Resize: size .* not 9223372036854775808"),
+    "resize-hw-zero": (lambda: Resize((8, 0)), r"Resize: size .* pair \(h, w\)"),
+    "resize-antialias": (lambda: Resize(8, antialias=False), r"Resize: only antialias=True .* per-sample"),
+    "center-float": (lambda: CenterCrop(8.0), r"CenterCrop: size must be an int"),
+    "rrc-size-bool": (lambda: RandomResizedCrop(True), r"RandomResizedCrop: size must be an int"),
+    "rrc-tiny-ratio": (lambda: RandomResizedCrop(4, ratio=(1e-300, 1e-300)), r"ratio must be .* \[1e-12, 1e12\]"),
+    "rrc-infinite-scale": (lambda: RandomResizedCrop(4, scale=(0.5, math.inf)), r"scale must be .* finite"),
+    "rrc-nan-scale": (lambda: RandomResizedCrop(4, scale=(math.nan, 1.0)), r"scale must be"),
+    "rrc-decreasing-scale": (lambda: RandomResizedCrop(4, scale=(1.0, 0.5)), r"scale must be an increasing pair"),
+    "rrc-zero-ratio": (lambda: RandomResizedCrop(4, ratio=(0, 1)), r"ratio must be"),
+    "rrc-one-number": (lambda: RandomResizedCrop(4, scale=0.5), r"scale must be .* pair"),
+    "rrc-antialias": (lambda: RandomResizedCrop(4, antialias=False), r"RandomResizedCrop: only antialias=True"),
+    "flip-nan": (lambda: RandomHorizontalFlip(math.nan), r"p must be a number in \[0, 1\]"),
+    "flip-over-one": (lambda: RandomHorizontalFlip(1.5), r"p must be a number in \[0, 1\]"),
+    "normalize-infinite": (lambda: Normalize([math.inf], [1.0]), r"finite numbers"),
+    "normalize-zero-std": (lambda: Normalize([0.5], [0.0]), r"std without zeros"),
+    "normalize-lengths": (lambda: Normalize([0.5, 0.5], [1.0]), r"of one length"),
+    "normalize-dtype": (lambda: Normalize([0.5], [1.0], torch.int32), r"dtype must be torch.float32"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_OPTIONS))
+def test_a_bad_option_is_refused_when_the_transform_is_made(read_path, name):
+    """Out-of-range, non-finite, empty-box and unfused options raise InvalidOptionError naming the option and its
+    bounds when the transform is constructed, on either path (nothing reaches the kernel or torch)."""
+    make, words = BAD_OPTIONS[name]
+    with pytest.raises(InvalidOptionError, match=words):
+        make()
+
+
+EXTREME = {  # options at their bounds: each runs on both paths, equal to the torch reference
+    "rrc-widest-ranges": [RandomResizedCrop(5, scale=(1e-12, 1e12), ratio=(1e-12, 1e12)), RandomHorizontalFlip(1.0)],
+    "rrc-thinnest-box": [RandomResizedCrop(4, scale=(1e-12, 1e-12), ratio=(1e-12, 1e-12))],  # a 1-pixel column
+    "rrc-flattest-box": [RandomResizedCrop((3, 2), scale=(1e-12, 1e-12), ratio=(1e12, 1e12))],  # a 1-pixel row
+    "rrc-wide-on-tiny": [RandomResizedCrop((2, 7), ratio=(3.0, 4.0)), RandomHorizontalFlip(0.0)],
+    "resize-to-the-cap": [Resize((65536, 2)), CenterCrop((3, 2))],
+    "rrc-widest-output": [RandomResizedCrop((1, 65536))],
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXTREME))
+def test_extreme_but_valid_options_match_the_torch_reference(tmp_path, read_path, monkeypatch, name):
+    """Scale and ratio at 1e-12 and 1e12, a 65536-pixel side, a central fallback box that torchvision would
+    make 0 pixels wide (here at least 1): every image equals the torch reference, on the core without fallback."""
+    ds = cached(tmp_path / "c", n=16)
+    if read_path == "native":
+        monkeypatch.setattr(_fused.Fused, "pure", lambda *a: pytest.fail("the native batch fell back"))
+    loader = Loader(ds, 8, shuffle=True, seed=7, augment=EXTREME[name])
+    assert_matches_the_reference(loader, aug.compile_plan(EXTREME[name]), read_path, epochs=1)
+    loader.close()
+
+
+@pytest.mark.parametrize(("at", "value"), [(3, math.inf), (4, math.nan), (7, 0.0), (8, -math.inf), (13, 2.0)])
+def test_the_kernel_refuses_a_plan_with_non_finite_or_out_of_range_numbers(tmp_path, at, value):
+    """core.augment checks a plan's doubles itself (scale, ratio, log-ratio, flip probability), whatever calls it:
+    a ValueError, no integer made from an infinity."""
+    if getattr(_native.core, "augment", None) is None:
+        pytest.skip("the compiled core is not built (or LMDBCACHE_PURE_PYTHON=1)")
+    loader = Loader(cached(tmp_path / "c", n=8), 4, augment=[RandomResizedCrop(4), RandomHorizontalFlip()])
+    params = list(loader._fused.params)  # (mode, oh, ow, scale0, scale1, log_ratio0, log_ratio1, ratio0, ...)
+    params[at] = value
+    loader._fused.params = tuple(params)
+    with pytest.raises(ValueError, match="augment: the plan's scale, ratio or flip probability"):
+        next(iter(loader))
+    loader.close()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -295,14 +370,13 @@ def test_epochs_draw_new_boxes(tmp_path):
 
 
 def test_bad_pipelines_are_refused_with_the_fix(tmp_path):
-    """Unfused transforms, a wrong order, no fixed output size and a per-sample transform are refused."""
+    """Unfused transforms, a wrong order, no fixed output size and a per-sample transform are refused (bad options
+    of one transform: test_a_bad_option_is_refused_when_the_transform_is_made)."""
     ds = cached(tmp_path / "c", n=8)
     for steps, words in [
         ([RandomHorizontalFlip(), RandomResizedCrop(8)], "geometric transforms first"),
         ([Resize(8)], "one output size"),
         ([lambda x: x], "per-sample transform"),
-        ([RandomResizedCrop(8, scale=(1.0, 0.5))], "increasing"),
-        ([CenterCrop(8), Normalize([0.5], [0.0])], "without zeros"),
     ]:
         with pytest.raises(InvalidOptionError, match=words):
             Loader(ds, 4, augment=steps)

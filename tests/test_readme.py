@@ -78,9 +78,31 @@ def test_the_quick_start_leaves_a_complete_cache_and_the_loader_reads_it(tmp_pat
     with CachedDataset.open(tmp_path / "train.lmdb") as cached:
         assert cached.is_complete and len(cached) == 512
     done = run_block(README_BLOCKS[1], tmp_path, "fast")
-    assert "512 samples, complete: True, last batch: (" in done.stdout
+    assert "512 samples, complete: True, trained on 1024 from epoch 0" in done.stdout
     state = torch.load(tmp_path / "checkpoint.pt")
-    assert state["epoch"] == 1 and state["loader"]
+    assert state["epoch"] == 1 and state["loader"]["epoch"] == 1 and state["loader"]["batches"] == 8
+
+
+def test_the_readme_loop_run_again_resumes_after_the_last_batch_it_saved(tmp_path):
+    """The README's loader block, rerun as written: from a checkpoint at the end of its last epoch it trains on
+    nothing; from one saved 3 batches into epoch 1 (a crashed run's) on exactly the 5 batches after it, then,
+    rerun, on the one batch after its own last save (set_epoch keeps the loaded position: issue 38)."""
+    run_block(README_BLOCKS[0], tmp_path, "quickstart")
+    assert "trained on 1024 from epoch 0" in run_block(README_BLOCKS[1], tmp_path, "fast").stdout
+    assert "trained on 0 from epoch 1" in run_block(README_BLOCKS[1], tmp_path, "fast").stdout
+    from lmdbcache import CachedDataset, Loader
+
+    with CachedDataset.open(tmp_path / "train.lmdb") as cached:
+        crashed = Loader(cached, 64, shuffle=True, seed=0, num_threads=2)
+        crashed.set_epoch(1)
+        for step, _ in enumerate(crashed):
+            if step == 2:
+                break
+        torch.save({"epoch": 1, "loader": crashed.state_dict()}, tmp_path / "checkpoint.pt")
+        crashed.close()
+    assert "trained on 320 from epoch 1" in run_block(README_BLOCKS[1], tmp_path, "fast").stdout
+    assert torch.load(tmp_path / "checkpoint.pt")["loader"]["batches"] == 7  # its step 3: batch 7 of 8
+    assert "trained on 64 from epoch 1" in run_block(README_BLOCKS[1], tmp_path, "fast").stdout
 
 
 def block_after(page: Path, heading: str) -> str:

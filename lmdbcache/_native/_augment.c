@@ -50,7 +50,15 @@ typedef struct {
     int channels_last;
 } AugPlan;
 
-/* (top, left, h, w, rh, rw, oy, ox) of augment.box_of, the same doubles in the same order. */
+/* A side computed in doubles as an integer in [1, most]: a NaN or an infinity (a plan aug_parse would refuse)
+ * gives a bound, never a conversion of a value outside int64 (undefined behaviour). */
+static inline int64_t aug_side(double v, int64_t most) {
+    return v >= 1.0 ? (v < (double)most ? (int64_t)v : most) : 1;
+}
+
+/* (top, left, h, w, rh, rw, oy, ox) of augment.box_of, the same doubles in the same order. A try's sides are
+ * compared as doubles before they become integers (an infinite or NaN one fails the test); the central fallback
+ * is at least one pixel wide and tall, as box_of's. */
 static void aug_box(const AugPlan *p, int64_t H, int64_t W, uint64_t key, int64_t b[8]) {
     b[4] = p->oh, b[5] = p->ow, b[6] = 0, b[7] = 0;
     if (p->mode == 0) {
@@ -69,9 +77,9 @@ static void aug_box(const AugPlan *p, int64_t H, int64_t W, uint64_t key, int64_
         double in_ratio = (double)W / (double)H;
         int64_t w = W, h = H;
         if (in_ratio < p->r0)
-            h = (int64_t)rint((double)W / p->r0);
+            h = aug_side(rint((double)W / p->r0), H);
         else if (in_ratio > p->r1)
-            w = (int64_t)rint((double)H * p->r1);
+            w = aug_side(rint((double)H * p->r1), W);
         b[0] = (H - h) / 2, b[1] = (W - w) / 2, b[2] = h, b[3] = w;
         return;
     }
@@ -108,8 +116,10 @@ static inline double aug_filter(double x) {
     return x < 1.0 ? 1.0 - x : 0.0;
 }
 
-/* torch's antialiased bilinear weights from in to out samples (align_corners=False), as int16. */
+/* torch's antialiased bilinear weights from in to out samples (align_corners=False), as int16. -1: out of
+ * memory, or sides aug_image never passes (under 1 or over INT32_MAX: the support would not be an integer). */
 static int aug_taps(int64_t in, int64_t out, AugTaps *t) {
+    if (in < 1 || out < 1 || in > INT32_MAX || out > INT32_MAX) return -1;
     double scale = (double)in / (double)out;
     double support = scale >= 1.0 ? scale : 1.0;
     double invscale = scale >= 1.0 ? 1.0 / scale : 1.0;
@@ -794,6 +804,8 @@ static int aug_image(const uint8_t *src, int64_t H, int64_t W, int64_t C, int hw
     aug_box(p, H, W, aug_stream(p->seed, p->epoch, index, (uint64_t)p->rrc_at), b);
     int flip = p->flip_p > 0 && aug_uniform(aug_stream(p->seed, p->epoch, index, (uint64_t)p->flip_at), 0) < p->flip_p;
     if (b[4] > AUG_MAX_SIDE || b[5] > AUG_MAX_SIDE) return FILL_OTHER; /* the torch path does it (slowly) */
+    if (b[2] < 1 || b[3] < 1 || b[0] < 0 || b[1] < 0 || b[0] > H - b[2] || b[1] > W - b[3] || b[4] < 1 || b[5] < 1)
+        return FILL_OTHER; /* a box outside the image (no checked plan gives one): never read past it */
     AugTaps tx = {0}, ty = {0};
     int bad = (b[5] != b[3] && aug_taps(b[3], b[5], &tx) < 0) || (b[4] != b[2] && aug_taps(b[2], b[4], &ty) < 0);
     /* HWC with few channels: one strip of interleaved pixels gives every channel's horizontal pass, so the
@@ -951,6 +963,9 @@ static int aug_parse(PyObject *shape, PyObject *fields, PyObject *params, AugSha
              p->kind < 0 || p->kind > 2 || resize < 0 || resize > AUG_MAX_SIDE || rh < 0 || rw < 0 ||
              rh > AUG_MAX_SIDE || rw > AUG_MAX_SIDE || (p->mode != 0 && p->mode != 1) || rrc_at < 0 || flip_at < 0)
         why = "the plan is out of range";
+    else if (!(p->s0 > 0 && p->s0 <= p->s1 && isfinite(p->s1) && p->r0 > 0 && p->r0 <= p->r1 && isfinite(p->r1) &&
+               isfinite(p->lr0) && isfinite(p->lr1) && p->lr0 <= p->lr1 && p->flip_p >= 0 && p->flip_p <= 1))
+        why = "the plan's scale, ratio or flip probability is not finite and in range";
     else if (p->kind && (uint64_t)lut->len != channels * 256 * (p->kind == 1 ? 4 : 2))
         why = "the Normalize table is not 256 values per channel";
     for (Py_ssize_t f = 0; !why && !PyErr_Occurred() && f < t->nfields; f++) {

@@ -10,7 +10,7 @@ ends (exhausted, ``break``, an exception, KeyboardInterrupt, ``close()``) joins 
 exception: when an ``augment=`` loader (its own order) hands out an epoch's last batch, the next
 epoch's pass starts and builds that epoch's first batch (``_spare.Spare``); it lives on only if
 the epoch then ends normally, until the next ``iter`` takes it or ``close()``, ``set_epoch`` to
-another epoch, ``load_state_dict`` to another position or seed or the Loader's collection stops it
+another epoch, ``load_state_dict`` to another position or the Loader's collection stops it
 (docs/guarantees.md). When a
 pass saw only such small batches copied from the map, the Loader's next pass has no planner:
 the consumer's own thread builds each batch when it asks (``_pass.InlinePass``), because
@@ -86,6 +86,7 @@ from ._fused import check as check_fused
 from ._gather import Layout
 from ._order import Batches, epoch_of, rows, world_of
 from ._pass import InlinePass, Pass, PassSpec, Ring, current_stream_event, stamp
+from ._resume import check_settings, position_in
 from ._spare import Spare
 from ._workers import WorkerPass
 from .augment import compile_plan
@@ -166,7 +167,10 @@ class Loader:
     (``for batch in loader``) continues from it: a complete pass moves to the next epoch, so
     iterating without ``set_epoch`` advances the epoch every pass; a pass ended early
     (``break``) leaves the position after the last batch the consumer received, and the next
-    pass continues there. ``set_epoch(e)`` moves to the start of epoch ``e``.
+    pass continues there. ``set_epoch(e)`` moves to the start of epoch ``e``, except right after
+    ``load_state_dict`` of a state of epoch ``e``: it then keeps the loaded position, so the
+    usual loop (``for epoch in range(start, n): loader.set_epoch(epoch)``) resumes mid-epoch
+    (a state saved after the epoch's last batch makes that epoch's pass empty).
     ``state_dict()`` is that position; ``load_state_dict()`` restores it without reading the
     batches before it. A batch counts as delivered when the consumer receives it, not when it
     is prefetched. One pass runs at a time: ``iter(loader)`` during a pass (a loop over the
@@ -232,6 +236,8 @@ class Loader:
         if custom and self.world is not None:
             raise InvalidOptionError("With a sampler or batch_sampler, split the data across ranks in the sampler.")
         self.epoch, self.delivered, self.samples = 0, 0, 0  # samples: in the batches delivered this epoch
+        self._loaded: tuple[int, int, int] | None = None  # a loaded state's (epoch, batches, samples) until a pass
+        self._emptied = False  # set_epoch kept a loaded state's finished epoch: the next pass is empty
         self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
         if pin_memory and not self.pin_memory:
             warnings.warn(
@@ -311,15 +317,22 @@ class Loader:
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
-        """Start the next pass at the first batch of ``epoch``."""
+        """Start the next pass at the first batch of ``epoch`` (at a just-loaded state's position if of ``epoch``)."""
         if type(epoch) is not int or epoch < 0:
             raise InvalidOptionError(f"epoch must be an int >= 0, not {epoch!r}.")
+        loaded, self._emptied = self._loaded, False
+        if loaded is not None and loaded[0] == epoch:
+            self.epoch, self.delivered, self.samples = loaded
+            self._emptied = self.delivered >= len(self)  # the state's epoch was over: its pass yields nothing
+            self._spare.keep(epoch + 1 if self._emptied else epoch)
+            return
+        self._loaded = None
         self.epoch, self.delivered, self.samples = epoch, 0, 0
         self._spare.keep(epoch)  # a pass started ahead for another epoch stops now, not at the next iter
 
     def state_dict(self) -> dict[str, Any]:
         """The position: {seed, epoch, batches} (the batches of ``epoch`` the consumer has received), ``samples``
-        in them, and what the position means: batch_size, shuffle, drop_last, rank, world_size, sampler."""
+        in them, and what it means: batch_size, shuffle, drop_last, rank, world_size, sampler, dataset_length."""
         rank, world_size = self.world if self.world is not None else (None, None)
         return {
             "seed": self.seed,
@@ -329,6 +342,7 @@ class Loader:
             **self._order_kind(),
             "rank": rank,
             "world_size": world_size,
+            "dataset_length": len(self.dataset),
         }
 
     def _order_kind(self) -> dict[str, Any]:
@@ -343,11 +357,13 @@ class Loader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at the batch after ``state``'s (the next epoch's first if it was the last); nothing is read.
+        A ``set_epoch`` of the state's epoch before the next pass keeps this position (the resume loop).
 
-        A state saved with another shuffle, drop_last, rank, world_size or kind of sampler is refused
-        (its batches would be other samples here). Another batch_size is converted exactly, by the
-        samples received, when they fill whole batches of this one; otherwise it is refused. A state
-        without these fields (from an earlier lmdbcache) is taken as it is.
+        A state saved with another seed, shuffle, drop_last, rank, world_size, kind of sampler or dataset
+        length, or at a position past the end of its epoch here, is refused (its batches would be other
+        samples here). Another batch_size is converted exactly, by the samples received, when they fill
+        whole batches of this one; otherwise it is refused. A state without these fields (from an earlier
+        lmdbcache) is taken as it is.
         """
         try:
             seed, epoch, delivered = state["seed"], state["epoch"], state["batches"]
@@ -356,35 +372,15 @@ class Loader:
         if not all(type(v) is int for v in (seed, epoch, delivered)) or epoch < 0 or delivered < 0:
             raise InvalidOptionError(f"A Loader state holds ints (epoch, batches >= 0), not {state!r}.")
         rank, world_size = self.world if self.world is not None else (None, None)
-        mine = {**self._order_kind(), "rank": rank, "world_size": world_size}
-        where = f"batch {delivered} of epoch {epoch}"
-        for field in ("sampler", "shuffle", "drop_last", "rank", "world_size"):
-            if field in state and state[field] != mine[field]:
-                raise InvalidOptionError(
-                    f"This Loader state was saved with {field}={state[field]!r}, but this loader has "
-                    f"{field}={mine[field]!r}: its position ({where}) would be other samples here (some skipped, "
-                    f"some repeated). Create the loader with {field}={state[field]!r} to resume, or call "
-                    f"set_epoch({epoch + 1}) instead of load_state_dict to start the next epoch afresh."
-                )
-        samples = state.get("samples")
-        size = state.get("batch_size", mine["batch_size"])
-        if samples is None:
-            samples = delivered * size if type(size) is int else 0  # a state from before samples were counted
-        if type(samples) is not int or samples < 0:
-            raise InvalidOptionError(f"A Loader state's samples is an int >= 0, not {state!r}.")
-        if size != mine["batch_size"]:
-            if type(size) is not int or (samples % self.batch_size and samples < len(self._order(epoch))):
-                raise InvalidOptionError(
-                    f"This Loader state was saved with batch_size={size!r} after {samples} samples of epoch "
-                    f"{epoch} ({where}), which is not a whole number of batches of this loader's "
-                    f"batch_size={self.batch_size}. Create the loader with batch_size={size!r} to resume, or call "
-                    f"set_epoch({epoch + 1}) instead of load_state_dict to start the next epoch afresh."
-                )
-            delivered = -(-samples // self.batch_size)  # samples received, counted in this loader's batches
-        before, self.seed, self.epoch, self.delivered, self.samples = self.seed, seed, epoch, delivered, samples
+        mine = {"seed": self.seed, **self._order_kind(), "rank": rank, "world_size": world_size}
+        check_settings(state, mine, len(self.dataset), epoch, delivered)
+        total = (lambda: None) if self.batch_sampler is not None else (lambda: len(self._order(epoch)))
+        delivered, samples = position_in(state, epoch, delivered, mine["batch_size"], len(self), total)
+        self.epoch, self.delivered, self.samples = epoch, delivered, samples
+        self._loaded, self._emptied = (epoch, delivered, samples), False
         if delivered >= len(self):
             self.epoch, self.delivered, self.samples = epoch + 1, 0, 0
-        if self.delivered or self.seed != before:  # a pass ahead can never be taken there: stop it now
+        if self.delivered:  # a pass ahead can never be taken there: stop it now
             self._spare.stop()
         else:
             self._spare.keep(self.epoch)
@@ -397,7 +393,10 @@ class Loader:
         if self._pass is not None:  # one pass at a time: a new iter replaces an abandoned (or running) one
             self._pass.replaced = True  # its consumer, if it asks again, is told why (``_pass.ended``)
             self._pass.stop()
-        epoch = self.epoch
+        epoch, emptied, self._loaded, self._emptied = self.epoch, self._emptied, None, False
+        if emptied:  # set_epoch kept a loaded state at this epoch's end: an empty pass, which completes the epoch
+            self.epoch, self.delivered, self.samples = epoch + 1, 0, 0
+            return iter(())
         batches = self._batches(epoch)[0]
         if self.delivered >= len(batches) > 0:
             epoch, self.epoch, self.delivered, self.samples = epoch + 1, epoch + 1, 0, 0

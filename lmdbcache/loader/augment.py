@@ -14,7 +14,13 @@ Random parameters. The draws of sample ``index`` in ``epoch`` are a pure functio
 splitmix64 finalizer into a 53-bit double (the C kernel computes the same numbers), so a batch
 depends on neither the threads nor a resume. ``RandomResizedCrop`` draws its box as
 torchvision's ``get_params`` does: up to 10 tries of (scale, log-ratio), then the central
-fallback; draws 2t and 2t+1 are try t's, draws 20 and 21 the box's top and left.
+fallback (at least one pixel wide and tall, where torchvision's can be empty); draws 2t and 2t+1
+are try t's, draws 20 and 21 the box's top and left.
+
+Options are checked when a transform is made, with ``InvalidOptionError``: sizes in 1..65536
+(``MAX_SIDE``, the kernel's), ``scale`` and ``ratio`` increasing pairs of finite numbers in
+[1e-12, 1e12], ``p`` in [0, 1], ``Normalize``'s numbers finite, ``antialias`` True (the one
+kind fused). Every option made so runs on both paths.
 
 Order: the geometric transforms first (``RandomResizedCrop``, or ``Resize`` and/or
 ``CenterCrop``), then ``RandomHorizontalFlip``, then ``Normalize``; the output size must be
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +42,7 @@ import torch.nn.functional as F
 from ..errors import InvalidOptionError
 
 __all__ = [
+    "MAX_SIDE",
     "CenterCrop",
     "Normalize",
     "Plan",
@@ -71,29 +79,82 @@ def uniform(key: int, k: int) -> float:
     return (_mix((key + (k + 1) * _GOLDEN) & _M64) >> 11) * 2.0**-53
 
 
+MAX_SIDE = 1 << 16  # the largest output or resized side (_augment.c's AUG_MAX_SIDE)
+RANGE = (1e-12, 1e12)  # scale and ratio bounds: wider than any image's aspect; the box math stays finite
+
+
 def _pair(size: Any, name: str) -> tuple[int, int]:
-    if type(size) is int:
-        size = (size, size)
-    if not (isinstance(size, Sequence) and len(size) == 2 and all(type(s) is int and s > 0 for s in size)):
-        raise InvalidOptionError(f"{name}: size must be an int > 0 or a pair (h, w) of them, not {size!r}.")
-    return int(size[0]), int(size[1])
+    pair = (size, size) if type(size) is int else size
+    if not (isinstance(pair, Sequence) and len(pair) == 2 and all(type(s) is int and 0 < s <= MAX_SIDE for s in pair)):
+        raise InvalidOptionError(
+            f"{name}: size must be an int in 1..{MAX_SIDE} or a pair (h, w) of them, not {size!r} (the fused "
+            f"kernel's largest side is {MAX_SIDE})."
+        )
+    return int(pair[0]), int(pair[1])
+
+
+def _size(size: Any, name: str) -> int | tuple[int, int]:
+    """``size`` checked (``_pair``) and frozen: an int stays an int, a sequence becomes a tuple."""
+    pair = _pair(size, name)
+    return pair[0] if type(size) is int else pair
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(float(value))
+
+
+def _range(pair: Any, name: str, default: str) -> tuple[float, float]:
+    """A (lo, hi) pair of finite numbers with RANGE[0] <= lo <= hi <= RANGE[1], as floats."""
+    if not (isinstance(pair, Sequence) and len(pair) == 2 and all(_real(v) for v in pair)):
+        ok = False
+    else:
+        ok = RANGE[0] <= float(pair[0]) <= float(pair[1]) <= RANGE[1]
+    if not ok:
+        raise InvalidOptionError(
+            f"RandomResizedCrop: {name} must be an increasing pair (lo, hi) of finite numbers in [1e-12, 1e12], "
+            f"not {pair!r} (torchvision's default: {name}={default})."
+        )
+    return float(pair[0]), float(pair[1])
+
+
+def _antialias(antialias: Any, name: str) -> None:
+    if antialias is not True:
+        raise InvalidOptionError(
+            f"{name}: only antialias=True is fused (the kernel computes torch's antialiased bilinear), not "
+            f"antialias={antialias!r}. Leave it at its default, or pass torchvision's {name}(antialias=False) as the "
+            "dataset's per-sample transform= instead."
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class RandomResizedCrop:
-    """A random crop (area ``scale`` of the image, aspect ratio ``ratio`` drawn log-uniformly) resized to ``size``."""
+    """A random crop (area ``scale`` of the image, aspect ratio ``ratio`` drawn log-uniformly) resized to ``size``.
+
+    Checked here (``InvalidOptionError``): ``size`` an int in 1..65536 or (h, w) of them, ``scale`` and ``ratio``
+    increasing pairs of finite numbers in [1e-12, 1e12], ``antialias`` True."""
 
     size: Any
     scale: tuple[float, float] = (0.08, 1.0)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     antialias: bool = True
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "size", _size(self.size, "RandomResizedCrop"))
+        object.__setattr__(self, "scale", _range(self.scale, "scale", "(0.08, 1.0)"))
+        object.__setattr__(self, "ratio", _range(self.ratio, "ratio", "(3 / 4, 4 / 3)"))
+        _antialias(self.antialias, "RandomResizedCrop")
+
 
 @dataclasses.dataclass(frozen=True)
 class RandomHorizontalFlip:
-    """Mirror left-right with probability ``p``."""
+    """Mirror left-right with probability ``p`` (a number in [0, 1])."""
 
     p: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not (_real(self.p) and 0.0 <= float(self.p) <= 1.0):
+            raise InvalidOptionError(f"RandomHorizontalFlip: p must be a number in [0, 1], not {self.p!r}.")
+        object.__setattr__(self, "p", float(self.p))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,22 +163,42 @@ class CenterCrop:
 
     size: Any
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "size", _size(self.size, "CenterCrop"))
+
 
 @dataclasses.dataclass(frozen=True)
 class Resize:
-    """Resize so the shorter side is ``size`` (an int), or to (h, w); antialiased bilinear."""
+    """Resize so the shorter side is ``size`` (an int), or to (h, w); antialiased bilinear. Sides up to 65536."""
 
     size: Any
     antialias: bool = True
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "size", _size(self.size, "Resize"))
+        _antialias(self.antialias, "Resize")
+
 
 @dataclasses.dataclass(frozen=True)
 class Normalize:
-    """``(x / 255 - mean) / std`` per channel, as ``dtype`` (float32 or float16)."""
+    """``(x / 255 - mean) / std`` per channel, as ``dtype`` (float32 or float16); finite numbers, std without 0."""
 
     mean: Sequence[float]
     std: Sequence[float]
     dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.dtype not in (torch.float32, torch.float16):
+            raise InvalidOptionError(f"Normalize: dtype must be torch.float32 or torch.float16, not {self.dtype!r}.")
+        mean, std = self.mean, self.std
+        numbers_ok = all(isinstance(v, Sequence) and all(_real(x) for x in v) for v in (mean, std))
+        if not (numbers_ok and len(mean) == len(std) > 0 and all(float(x) != 0 for x in std)):
+            raise InvalidOptionError(
+                "Normalize: mean and std must be sequences of one length (one number per channel) of finite "
+                f"numbers, std without zeros; got mean={mean!r}, std={std!r}."
+            )
+        object.__setattr__(self, "mean", tuple(float(x) for x in mean))
+        object.__setattr__(self, "std", tuple(float(x) for x in std))
 
 
 @dataclasses.dataclass
@@ -150,12 +231,8 @@ class Plan:
 
 
 def _lut(norm: Normalize) -> torch.Tensor:
-    if norm.dtype not in (torch.float32, torch.float16):
-        raise InvalidOptionError(f"Normalize: dtype must be torch.float32 or torch.float16, not {norm.dtype!r}.")
-    mean = torch.tensor([float(m) for m in norm.mean], dtype=torch.float32)
-    std = torch.tensor([float(s) for s in norm.std], dtype=torch.float32)
-    if mean.shape != std.shape or mean.numel() == 0 or bool((std == 0).any()):
-        raise InvalidOptionError("Normalize: mean and std must be sequences of one length, std without zeros.")
+    mean = torch.tensor(norm.mean, dtype=torch.float32)  # checked by Normalize
+    std = torch.tensor(norm.std, dtype=torch.float32)
     values = torch.arange(256, dtype=torch.float32) / 255
     return ((values[None, :] - mean[:, None]) / std[:, None]).to(norm.dtype).contiguous()
 
@@ -185,9 +262,7 @@ def compile_plan(
     plan = _geometry(geometry)
     for k, t in enumerate(items):
         if type(t) is RandomHorizontalFlip:
-            if not 0.0 <= float(t.p) <= 1.0:
-                raise InvalidOptionError(f"RandomHorizontalFlip: p must be in [0, 1], not {t.p!r}.")
-            plan.flip_p, plan.flip_at = float(t.p), k
+            plan.flip_p, plan.flip_at = t.p, k
         elif type(t) is Normalize:
             plan.lut = _lut(t)
     plan.channels_last, plan.field, plan.layout = bool(channels_last), field, layout
@@ -197,24 +272,15 @@ def compile_plan(
 def _geometry(geometry: list[tuple[int, Any]]) -> Plan:
     names = [type(t).__name__ for _, t in geometry]
     if names == ["RandomResizedCrop"]:
-        k, t = geometry[0]
-        lo, hi = float(t.scale[0]), float(t.scale[1])
-        r0, r1 = float(t.ratio[0]), float(t.ratio[1])
-        if not (0 < lo <= hi and 0 < r0 <= r1) or not t.antialias:
-            raise InvalidOptionError(
-                f"RandomResizedCrop: scale and ratio must be increasing pairs of numbers > 0 (antialias=True); "
-                f"got scale={t.scale!r}, ratio={t.ratio!r}, antialias={t.antialias!r}."
-            )
-        size = _pair(t.size, "RandomResizedCrop")
-        return Plan(size, 0, (lo, hi), (math.log(r0), math.log(r1)), (r0, r1), rrc_at=k)
+        k, t = geometry[0]  # its options were checked when it was made (RandomResizedCrop.__post_init__)
+        (r0, r1), size = t.ratio, _pair(t.size, "RandomResizedCrop")
+        return Plan(size, 0, t.scale, (math.log(r0), math.log(r1)), t.ratio, rrc_at=k)
     if names in (["CenterCrop"], ["Resize", "CenterCrop"]):
         size = _pair(geometry[-1][1].size, "CenterCrop")
         plan = Plan(size, 1)
         if len(geometry) == 2:
             resize = geometry[0][1]
-            if not resize.antialias:
-                raise InvalidOptionError("Resize: only antialias=True is fused.")
-            if type(resize.size) is int and resize.size > 0:
+            if type(resize.size) is int:
                 plan.resize = resize.size
             else:
                 plan.resize_hw = _pair(resize.size, "Resize")
@@ -244,11 +310,11 @@ def box_of(plan: Plan, height: int, width: int, key: int) -> tuple[int, ...]:
                 top = int(uniform(key, 20) * (height - h + 1))
                 left = int(uniform(key, 21) * (width - w + 1))
                 return top, left, h, w, oh, ow, 0, 0
-        in_ratio = width / height
+        in_ratio = width / height  # the central fallback; at least one pixel (torchvision's can be 0 wide)
         if in_ratio < plan.ratio[0]:
-            w, h = width, _round(width / plan.ratio[0])
+            w, h = width, max(1, _round(width / plan.ratio[0]))
         elif in_ratio > plan.ratio[1]:
-            h, w = height, _round(height * plan.ratio[1])
+            h, w = height, max(1, _round(height * plan.ratio[1]))
         else:
             w, h = width, height
         return (height - h) // 2, (width - w) // 2, h, w, oh, ow, 0, 0
