@@ -134,8 +134,19 @@ class Store:
     def read_batch(
         self, indices: list[int], always: bool, build: str | None, copy: Callable[[list[Any], list[bool]], Any]
     ) -> Any:
-        """``Reader.read_batch``: ``copy(views, check_data)`` under the lock and one read transaction."""
-        return self.reader.read_batch(indices, always, build, copy)
+        """``Reader.read_batch``: ``copy(views, check_data)`` under the lock and one read transaction.
+
+        A batch holding a sample this process decoded but has not committed yet (a miss of the last
+        ``commit_interval``) commits the queue and is read again: such a value is not in the map, so every
+        batch holding one took the loader's slow path (``__getitems__``, then per-sample torch ops under
+        ``augment=``) until the committer's interval ran out: 2-8x the CPU per image in the epochs right
+        after a fill (issue 38; ``python -m bench.after_fill``).
+        """
+        result = self.reader.read_batch(indices, always, build, copy)
+        if result is MISSING and self.writer.holds_any(indices):
+            self.writer.flush()
+            result = self.reader.read_batch(indices, always, build, copy)
+        return result
 
     # The handle's and the writer's state, as callers read it.
 
