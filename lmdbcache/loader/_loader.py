@@ -69,9 +69,6 @@ epoch; ``multiprocessing_context`` as in DataLoader).
 
 from __future__ import annotations
 
-import inspect
-import os
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -80,7 +77,7 @@ import numpy as np
 import torch
 from torch.utils.data import DistributedSampler
 
-from ..errors import InvalidOptionError, LmdbCacheWarning
+from ..errors import InvalidOptionError, warn
 from ._fused import Fused
 from ._fused import check as check_fused
 from ._gather import Layout
@@ -94,22 +91,6 @@ if TYPE_CHECKING:
     from ..dataset import CachedDataset
 
 __all__ = ["Loader"]
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` that makes a warning issued by the caller point at the first frame outside lmdbcache.
-
-    ``Loader(...)`` and ``ds.loader(...)`` reach the warning through different depths; a fixed
-    stacklevel named ``dataset.py`` for the second. (Python 3.12's ``skip_file_prefixes`` does this.)
-    """
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # lmdbcache/, not loader/
-    frame = inspect.currentframe()
-    if frame is None:  # an interpreter without frame objects: the caller's caller, as before
-        return 2
-    frame, level = frame.f_back, 1  # the frame that calls warnings.warn is level 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _check_options(
@@ -234,11 +215,7 @@ class Loader:
         self.epoch, self.delivered, self.samples = 0, 0, 0  # samples: in the batches delivered this epoch
         self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
         if pin_memory and not self.pin_memory:
-            warnings.warn(
-                "lmdbcache.Loader: pin_memory=True but CUDA is not available; batches are not pinned.",
-                LmdbCacheWarning,
-                stacklevel=_user_stacklevel(),
-            )
+            warn("lmdbcache.Loader: pin_memory=True but CUDA is not available; batches are not pinned.")
         if record_event is None and self.pin_memory:
             record_event = current_stream_event
         self.record_event = record_event

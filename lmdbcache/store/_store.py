@@ -51,7 +51,6 @@ modules behind ``Store``, and what each may import (one way)::
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -59,7 +58,7 @@ from typing import Any
 import lmdb
 
 from .._options import MIB, parse_size
-from ..errors import CacheMismatchError, CorruptCacheError, LmdbCacheWarning
+from ..errors import CacheMismatchError, CorruptCacheError, warn
 from ..format import _compress
 from ..format._frames import require
 from . import _metadata
@@ -222,12 +221,10 @@ class Store:
         """
         self.writer.sync = self.writer.sync or sync
         if max_readers != self.max_readers:
-            warnings.warn(
+            warn(
                 f"Cache '{self.path}' is already open in this process with max_readers={self.max_readers}; "
                 f"max_readers={max_readers} cannot take effect (LMDB sizes the reader table when the first "
-                "process opens the cache). Pass the same value to every CachedDataset on this path.",
-                LmdbCacheWarning,
-                stacklevel=4,
+                "process opens the cache). Pass the same value to every CachedDataset on this path."
             )
         map_size = min(parse_size(map_size), MAX_MAP)
         if map_size > self.map_size:
