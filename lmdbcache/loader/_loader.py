@@ -75,7 +75,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import ConcatDataset, DistributedSampler, Subset
 
 from ..errors import InvalidOptionError, warn
 from ._fused import Fused
@@ -83,6 +83,7 @@ from ._fused import check as check_fused
 from ._gather import Layout
 from ._order import Batches, epoch_of, rows, world_of
 from ._pass import InlinePass, Pass, PassSpec, Ring, current_stream_event, stamp
+from ._source import source_of
 from ._spare import Spare
 from ._workers import WorkerPass
 from .augment import compile_plan
@@ -154,6 +155,9 @@ class Loader:
     loader inside a loop over it) starts a new pass at the position and ends the old one, whose
     consumer is told so at its next batch (a second Loader serves a nested loop).
 
+    ``dataset``: a ``CachedDataset``, or torch ``Subset`` / ``ConcatDataset`` wrappers of them, mapped onto the
+    caches underneath and copied from their maps as a plain cache is (``_source``).
+
     ``batch_transform`` runs on the planner thread on every whole batch. See the module
     docstring for threads, buffer reuse, pinned memory (``pin_memory``; ``record_event``: a
     callable run in the consumer's thread each time it asks for the next batch, returning an
@@ -177,7 +181,7 @@ class Loader:
 
     def __init__(
         self,
-        dataset: CachedDataset,
+        dataset: CachedDataset | Subset[Any] | ConcatDataset[Any],
         batch_size: int | None = 1,
         *,
         shuffle: bool = False,
@@ -204,6 +208,7 @@ class Loader:
         if num_workers is not None and (type(num_workers) is not int or num_workers < 0):
             raise InvalidOptionError(f"num_workers must be None (automatic) or an int >= 0, not {num_workers!r}.")
         self.num_workers, self.multiprocessing_context = num_workers, multiprocessing_context
+        self._source = source_of(dataset)  # the dataset, or a Subset / ConcatDataset mapped onto its caches
         self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, bool(shuffle), seed
         self.drop_last, self.num_threads, self.prefetch = bool(drop_last), num_threads, prefetch
         self.batch_transform = batch_transform
@@ -229,7 +234,7 @@ class Loader:
         self._closed = False
         self._fused = None
         if augment is not None:
-            check_fused(dataset, num_workers)
+            check_fused(self._source.transform, num_workers)
             self._fused = Fused(compile_plan(augment, augment_field, channels_last, image_layout))
 
     # ------------------------------------------------------------------ order and position
@@ -392,12 +397,12 @@ class Loader:
         """How many worker processes build the batches (0: the thread path). See ``num_workers``."""
         if self.num_workers is not None:
             return self.num_workers
-        return self.num_threads if self.dataset.transform is not None else 0
+        return self.num_threads if self._source.transform is not None else 0
 
     def _spec(self) -> PassSpec:
         """What the next pass needs from this loader (see ``_pass.PassSpec``)."""
         return PassSpec(
-            self.dataset, self.num_threads, self.prefetch, self.pin_memory, self.batch_transform, self.seed,
+            self._source, self.num_threads, self.prefetch, self.pin_memory, self.batch_transform, self.seed,
             self.seed_transforms, self._ring, self._layouts, self.worker_processes, self.multiprocessing_context,
             self._fused, self.sampler is None and self.batch_sampler is None,
         )  # fmt: skip
@@ -406,7 +411,7 @@ class Loader:
         kind: type[Pass] | type[WorkerPass] = Pass
         if self.worker_processes:
             kind = WorkerPass
-        elif self._small and self._fused is None and self.dataset.transform is None:
+        elif self._small and self._fused is None and self._source.transform is None:
             kind = InlinePass  # the last pass's batches were all small copies: build them here (see InlinePass)
         spare = self._spare.take(self._spec(), epoch, batches, start if kind is Pass else -1)  # if it fits exactly
         run: Pass | WorkerPass = spare or kind(self._spec(), epoch, batches, start)
