@@ -749,3 +749,24 @@ def test_the_reboot_warning_points_at_the_users_line(cache_dir, tmp_path, monkey
         line = sys._getframe().f_lineno + 1
         CachedDataset(Synthetic(8), cache_dir).close()
     assert [(w.filename, w.lineno) for w in caught] == [(__file__, line)]
+
+
+EXIT_FAILS_SCRIPT = """
+import shutil, sys, warnings
+from helpers import Synthetic
+from lmdbcache import CachedDataset
+
+warnings.simplefilter(sys.argv[2])
+ds = CachedDataset(Synthetic(8), sys.argv[1] + "/c")
+ds[0]
+ds.flush()
+shutil.rmtree(sys.argv[1])  # the exit's sync of this cache fails
+"""
+
+
+@pytest.mark.parametrize("action", ["default", "error"])
+def test_the_exit_flush_runs_once_per_process(tmp_path, action):
+    """The exit hook runs once in a main process (atexit and multiprocessing's exit hook both call it): a close
+    that fails at exit warns once, and under -W error gives one traceback, not two."""
+    result = run_script(EXIT_FAILS_SCRIPT, str(tmp_path / "gone"), action)
+    assert result.stderr.count("could not commit queued samples at exit") == 1, result.stderr

@@ -226,7 +226,17 @@ def freeze_inherited(option: bool | None = None) -> None:
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent, after_in_child=_after_fork_child)
 
 
+_flushed_pid = 0  # the process whose exit flush ran (_flush_all_at_exit)
+
+
 def _flush_all_at_exit() -> None:
+    """Close (commit, sync) every store this process owns, once: in a main process both atexit and
+    multiprocessing's own exit hook (which runs the ``Finalize`` below) call it, and a failing close then
+    warned twice (two tracebacks under ``-W error``, after pytest's summary)."""
+    global _flushed_pid
+    if _flushed_pid == os.getpid():
+        return
+    _flushed_pid = os.getpid()
     for store in list(_stores.values()):
         if store.owned:
             try:
