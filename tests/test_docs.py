@@ -172,13 +172,9 @@ def test_no_paragraph_is_cut(page):
     assert cut == [], f"{page_id(page)} has paragraphs cut mid-sentence: {cut}"
 
 
-def test_the_cut_check_finds_a_cut():
+def test_the_cut_check_finds_a_cut(tmp_path):
     """The paragraph check flags a paragraph that ends mid-sentence and one that begins mid-sentence."""
-    text = "Whole.\n\nEnds with the\n\nbegins here.\n\n```\nnot prose\n```\n\n- a list item\n"
-    page = ROOT / "tests" / "data" / "_cut_check.md"
-    try:
-        page.write_text(text)
-        found = [t for _, t in paragraphs(page) if not BEGINS.match(t) or not ENDS.search(t)]
-    finally:
-        page.unlink()
+    page = tmp_path / "cut.md"
+    page.write_text("Whole.\n\nEnds with the\n\nbegins here.\n\n```\nnot prose\n```\n\n- a list item\n")
+    found = [t for _, t in paragraphs(page) if not BEGINS.match(t) or not ENDS.search(t)]
     assert found == ["Ends with the", "begins here."]
