@@ -135,3 +135,21 @@ def add_note(exc: BaseException, text: str) -> None:
     """``exc.add_note(text)`` where Python has it (3.11+): where an error came from, for the traceback."""
     if hasattr(exc, "add_note"):
         exc.add_note(text)
+
+
+def warn(message: str, category: type[Warning] = LmdbCacheWarning) -> None:
+    """``warnings.warn(message, category)`` attributed to the first frame outside lmdbcache: the user's line.
+
+    The same warning is reached through calls of different depths (``Loader(...)`` or ``ds.loader(...)``; a
+    ``CachedDataset`` created by the user or by ``precompute``); a fixed stacklevel named ``dataset.py:189`` for
+    the reboot warning. Python 3.12's ``skip_file_prefixes`` does this.
+    """
+    import inspect  # only when warning: not at import time
+    import os
+    import warnings
+
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = inspect.currentframe(), 1  # level 1: this function, which calls warnings.warn
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level if frame is not None else 2)

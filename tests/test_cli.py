@@ -106,6 +106,13 @@ def test_every_subcommand_has_help_with_an_example(command, capsys):
     assert "examples:" in result.stdout and f"lmdbcache {command}" in result.stdout
 
 
+def test_help_points_at_pages_that_hold_what_it_names(capsys):
+    """Where `--help` sends the reader (precompute --pack: the Packs section) exists: a docs page with that heading."""
+    text = " ".join(run_main(capsys, "precompute", "--help").stdout.split())
+    assert "see docs/usage.md, Packs)" in text and "README" not in text
+    assert "**Packs (`pack=K`" in (Path(__file__).parent.parent / "docs" / "usage.md").read_text()
+
+
 @pytest.mark.parametrize(
     ("spec", "args", "message"),
     [
@@ -501,6 +508,29 @@ def test_merge_bar_has_a_total_and_one_shard_is_singular(tmp_path):
     lines = on_a_terminal("merge", str(tmp_path / "out"), str(shard))
     assert any("20/20" in line and "sample" in line for line in lines), lines[-5:]
     assert lines[-1].startswith(f"Merged 1 shard into '{tmp_path / 'out'}': 20/40 samples"), lines[-1]
+
+
+def test_verify_bar_starts_with_its_total(tmp_path):
+    """verify's bar appears with its total (never "0sample" at an unknown rate), and closes at 100%."""
+    CachedDataset(Synthetic(30), str(tmp_path / "c")).__getitems__(list(range(30)))
+    _registry._flush_all_at_exit()
+    _registry._stores.clear()
+    lines = on_a_terminal("verify", str(tmp_path / "c"))
+    bars = [line for line in lines if "sample" in line and "Checked" not in line]
+    assert bars and all("/30" in line for line in bars), lines
+    assert any("30/30" in line for line in bars) and lines[-1].startswith("Checked 30 entries: all intact"), lines
+
+
+def test_merge_into_a_cache_of_another_dataset_names_the_fixes_merge_has(tmp_path, capsys):
+    """merge into an OUT of another dataset says delete it or use another path; it names no --overwrite or
+    precompute, which merge has not and which would rebuild OUT from a source merge does not use."""
+    shard = tmp_path / "shard"
+    precompute(Synthetic(8), shard, num_workers=0, progress=False)
+    CachedDataset(Synthetic(9), str(tmp_path / "out"))[0]
+    _registry._flush_all_at_exit()
+    _registry._stores.clear()
+    line = one_line_error(run_main(capsys, "merge", str(tmp_path / "out"), str(shard), "--quiet"))
+    assert "or use another path." in line and "overwrite" not in line and "precompute" not in line, line
 
 
 # ---------------------------------------------------------------------- start-up cost

@@ -696,3 +696,18 @@ def test_a_batch_read_right_after_this_processs_fill_finds_every_index(cache_dir
     ds.flush()
     assert ds.read_batch(list(range(32)), lambda views, checks: len(views)) == 32
     ds.close()
+
+
+def test_a_batch_of_samples_this_process_queued_commits_them_and_reads_the_map(cache_dir, read_path):
+    """A batch read right after a fill, its last misses still queued (not yet committed, no flush()), commits the
+    queue and is copied from the map: not the fallback path for every batch until the commit interval ends."""
+    ds = CachedDataset(Synthetic(32), cache_dir, commit_every=10_000, commit_interval=3600)
+    for i in range(32):
+        ds[i]
+    writer = ds._live_store().writer
+    assert writer.queued == 32 and writer.holds_any([5])  # nothing committed yet: the reads below must commit
+    seen = []
+    assert ds.read_batch([3, 31, 0], lambda views, checks: seen.append(len(views)) or len(views)) == 3
+    assert seen == [3] and writer.queued == 0 and not writer.holds_any(list(range(32)))
+    assert ds.read_batch(list(range(32)), lambda views, checks: len(views)) == 32
+    ds.close()

@@ -130,3 +130,51 @@ def test_the_checks_find_what_they_look_for():
     assert len(TEST_REF.findall((ROOT / "docs" / "guarantees.md").read_text())) > 100
     assert "quick-start" in anchors(ROOT / "README.md")
     assert "fast-batches-dsloader-and-lmdbcachecollate" in anchors(ROOT / "docs" / "usage.md")
+
+
+def paragraphs(page: Path) -> list[tuple[int, str]]:
+    """The page's paragraphs of prose (blank-line separated, outside fences), with the line each starts on:
+    not headings, tables, list items, quotes, images, HTML or indented blocks, nor a table's caption."""
+    text = page.read_text()
+    for block in FENCE.findall(text):  # keep line numbers: a fence becomes as many blank lines
+        text = text.replace(block, "\n" * block.count("\n"), 1)
+    blocks, start, lines = [], 0, text.splitlines()
+    for number, line in enumerate([*lines, ""], 1):
+        if not line.strip():
+            if lines[start : number - 1]:
+                blocks.append((start + 1, lines[start : number - 1]))
+            start = number
+    found = []
+    for k, (first, block) in enumerate(blocks):
+        head = block[0]
+        if head.startswith(("#", "|", "-", "* ", ">", "<", " ", "![")) or re.match(r"\d+\. ", head):
+            continue
+        if k + 1 < len(blocks) and blocks[k + 1][1][0].startswith("|") and len(block) == 1:
+            continue  # a table's caption (architecture.md: "**store**: one cache directory ...")
+        found.append((first, " ".join(block)))
+    return found
+
+
+# A paragraph of prose begins as a sentence does and ends with closing punctuation; a line lost in an edit
+# leaves one that begins in lower case ("a process started that way ...") or ends mid-sentence ("... than the").
+BEGINS = re.compile(r"^(?:[A-Z0-9\"'(\[`*_]|lmdbcache\b)")
+ENDS = re.compile(r"[.:!?](?:[*_`)\"']*)$|\)$")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_no_paragraph_is_cut(page):
+    """Every paragraph of prose begins like a sentence and ends with closing punctuation: none was cut in two."""
+    cut = [
+        f"line {line}: {text[:50]!r} ... {text[-50:]!r}"
+        for line, text in paragraphs(page)
+        if not BEGINS.match(text) or not ENDS.search(text.rstrip())
+    ]
+    assert cut == [], f"{page_id(page)} has paragraphs cut mid-sentence: {cut}"
+
+
+def test_the_cut_check_finds_a_cut(tmp_path):
+    """The paragraph check flags a paragraph that ends mid-sentence and one that begins mid-sentence."""
+    page = tmp_path / "cut.md"
+    page.write_text("Whole.\n\nEnds with the\n\nbegins here.\n\n```\nnot prose\n```\n\n- a list item\n")
+    found = [t for _, t in paragraphs(page) if not BEGINS.match(t) or not ENDS.search(t)]
+    assert found == ["Ends with the", "begins here."]

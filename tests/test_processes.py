@@ -17,7 +17,14 @@ import torch
 from helpers import Listed, Synthetic, assert_same, sample_for, source_reads
 from torch.utils.data import DataLoader
 
-from lmdbcache import CachedDataset, CacheMismatchError, InvalidOptionError, ReadersFullError, SampleNotCachedError
+from lmdbcache import (
+    CachedDataset,
+    CacheMismatchError,
+    InvalidOptionError,
+    LmdbCacheWarning,
+    ReadersFullError,
+    SampleNotCachedError,
+)
 from lmdbcache import store as _store
 from lmdbcache.store import _env, _fs, _registry
 
@@ -730,3 +737,38 @@ def test_a_miss_after_another_processs_commit_finds_its_value(cache_dir, monkeyp
     assert called == [0, 1, 2]
     assert torch.equal(ds[0][0], torch.full((4,), 0)) and called == [0, 1, 2]
     ds.close()
+
+
+def test_the_reboot_warning_points_at_the_users_line(cache_dir, tmp_path, monkeypatch):
+    """The warning that an unsynced cache of another boot is being rebuilt names the caller's file and line (the
+    CachedDataset(...) call), not a line inside lmdbcache."""
+    ds = CachedDataset(Synthetic(8), cache_dir)
+    ds[0]
+    ds.close()
+    (cache_dir / _fs.UNSYNCED).write_text(f"{_fs.boot_id()}\n{{}}\n")  # a process of this boot died unsynced
+    _another_boot(tmp_path, monkeypatch)
+    with pytest.warns(LmdbCacheWarning, match="being rebuilt") as caught:
+        line = sys._getframe().f_lineno + 1
+        CachedDataset(Synthetic(8), cache_dir).close()
+    assert [(w.filename, w.lineno) for w in caught] == [(__file__, line)]
+
+
+EXIT_FAILS_SCRIPT = """
+import shutil, sys, warnings
+from helpers import Synthetic
+from lmdbcache import CachedDataset
+
+warnings.simplefilter(sys.argv[2])
+ds = CachedDataset(Synthetic(8), sys.argv[1] + "/c")
+ds[0]
+ds.flush()
+shutil.rmtree(sys.argv[1])  # the exit's sync of this cache fails
+"""
+
+
+@pytest.mark.parametrize("action", ["default", "error"])
+def test_the_exit_flush_runs_once_per_process(tmp_path, action):
+    """The exit hook runs once in a main process (atexit and multiprocessing's exit hook both call it): a close
+    that fails at exit warns once, and under -W error gives one traceback, not two."""
+    result = run_script(EXIT_FAILS_SCRIPT, str(tmp_path / "gone"), action)
+    assert result.stderr.count("could not commit queued samples at exit") == 1, result.stderr

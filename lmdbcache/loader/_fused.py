@@ -190,11 +190,15 @@ class Fused:
         """``__getitems__`` on the pool, each image through ``augment.apply``, then ``default_collate``."""
         parts = min(threads, len(indices))
         bounds = [len(indices) * p // parts for p in range(parts + 1)]
-        futures = [pool.submit(self._samples, ds, seeds, indices[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
+        futures = [pool.submit(self.samples, ds, seeds, indices[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
         samples: list[Any] = []
         for f in futures:
             part, where = f.result()
             samples += part
+        return self.collated(samples, where)
+
+    def collated(self, samples: list[Any], where: Any) -> Any:
+        """``default_collate`` of augmented ``samples`` (``where``: the image field), channels-last if asked."""
         batch = default_collate(samples)
         if self.plan.channels_last:
             if where is None:
@@ -218,7 +222,8 @@ class Fused:
             "augment: no 3-D uint8 tensor in the sample to augment; name the image field with augment_field=."
         )
 
-    def _samples(self, ds: CachedDataset, seeds: tuple[int, int], indices: list[int]) -> tuple[list[Any], Any]:
+    def samples(self, ds: CachedDataset, seeds: tuple[int, int], indices: list[int]) -> tuple[list[Any], Any]:
+        """The samples of ``indices``, each image through ``augment.apply``; and where the image field is."""
         samples = ds.__getitems__(indices)
         out: list[Any] = []
         where = None
@@ -241,9 +246,9 @@ class Fused:
         return out, where
 
 
-def check(ds: CachedDataset, num_workers: int | None) -> None:
-    """Refuse what the fused path cannot do, with the fix."""
-    if ds.transform is not None:
+def check(transform: Any, num_workers: int | None) -> None:
+    """Refuse what the fused path cannot do (for a dataset with this per-sample ``transform``), with the fix."""
+    if transform is not None:
         raise InvalidOptionError(
             "augment= runs on the stored samples, but this dataset has a per-sample transform. Drop the transform "
             "and pass its steps in augment= (the fused ones), or keep the transform and drop augment=."

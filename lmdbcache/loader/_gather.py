@@ -17,9 +17,9 @@ The codec pieces used here (and only here): ``_format.MAGIC`` and the header lay
 
 from __future__ import annotations
 
-import _thread
 import struct
 import sys
+import threading
 import weakref
 from typing import Any
 
@@ -96,35 +96,32 @@ def _array(shape: tuple[int, ...], dtype: np.dtype[Any], memory: str) -> np.ndar
     return torch.empty(shape, dtype=torch_dtype, pin_memory=True).numpy()
 
 
-# Each handed-out batch tensor holds its slot array until it dies (``_hold``): a weak reference to the
-# tensor, mapped here to the array until its callback fires.
-_held: dict[weakref.ref[torch.Tensor], np.ndarray] = {}
-_moved: list[Buffers] = []  # slots whose storage moved under a live tensor: kept for good (see ``_hold``)
+# The storage of each handed-out batch tensor, weakly, with the slot it lies in (``_hold``): kept until the storage
+# dies, so that a slot moved away from (``Buffers.moved``) is not freed under a numpy array that points into it.
+_lent: list[tuple[weakref.ref[Any], Buffers]] = []
+_lent_lock = threading.Lock()
+_prune_at = [256]  # prune _lent when it reaches this length (twice what is still alive after a prune)
 
 
 def _hold(tensor: torch.Tensor, buffers: Buffers, k: int) -> None:
-    """Keep array ``k`` of ``buffers`` alive (and counted) while the tensor object ``tensor`` lives.
+    """Lend array ``k`` of ``buffers`` to ``tensor``: the slot is filled again (or freed) only once its storage dies.
 
-    Its storage already holds the array, but ``share_memory_()`` (as a Queue does) moves the storage
-    and lets go of it, while a numpy array taken before with ``.numpy()`` (its ``.base`` an alias
-    tensor, not this one) or from a view still points into the old memory: that memory must neither
-    be filled again nor freed. So when the tensor dies with its storage no longer holding the array
-    (the count back at its base while the storage should still add one), the slot is never filled
-    again nor freed (``moved``): a leak, only for batches moved that way. Not seen: a move made
-    through a view after its field tensor died.
+    The storage holds the array (``torch.from_numpy``), and torch keeps one Python object per storage for as
+    long as the storage lives (PyObject preservation, torch >= 2.0: its weak reference dies with the storage,
+    not with a wrapper; without it the reference counts alone decide, as before). ``share_memory_()`` (as a
+    Queue does) moves the storage's data away and lets go of the array, while a numpy array taken before with
+    ``.numpy()`` (its ``.base`` an alias tensor of the same storage) or from a view still points into the old
+    memory: the slot stays lent until that storage dies too. A weak reference without a callback: a callback is
+    Python code run wherever the tensor dies, the training loop's thread included, and a Ctrl-C landing on its
+    first instruction is printed and lost (tests/test_interrupts.py).
     """
-
-    def drop(ref: weakref.ref[torch.Tensor]) -> None:
-        try:
-            _held.pop(ref, None)
-            if not buffers.moved and buffers._counts()[k] <= buffers._base[k]:  # the storage (alive here) let go
-                buffers.moved = True
-                _moved.append(buffers)  # nothing says when such a view dies: its memory is never freed either
-        except KeyboardInterrupt:  # a weakref callback's exception is only printed: the Ctrl-C would be lost
-            _held.pop(ref, None)
-            _thread.interrupt_main()  # raised again once this callback has returned
-
-    _held[weakref.ref(tensor, drop)] = (buffers.arrays + buffers.column_arrays)[k]
+    ref = weakref.ref(tensor.untyped_storage())
+    buffers.lent[k] = ref
+    with _lent_lock:
+        _lent.append((ref, buffers))
+        if len(_lent) >= _prune_at[0]:
+            _lent[:] = [(r, b) for r, b in _lent if r() is not None]
+            _prune_at[0] = max(256, 2 * len(_lent))
 
 
 class Buffers:
@@ -139,8 +136,8 @@ class Buffers:
     object of it dies. So the arrays' reference counts are back at their values at allocation exactly
     when nothing handed out from the slot is alive: public behaviour of ``torch.from_numpy`` and
     CPython, no private torch function. A batch moved to other memory (``share_memory_()``, as a
-    torch.multiprocessing Queue does) has its storage let go of the array, but each handed-out tensor
-    object holds it too (``_hold``), for a numpy array taken from it before the move.
+    torch.multiprocessing Queue does) has its storage let go of the array while a numpy array taken from it
+    before the move may still point into it: the slot also waits for each handed-out storage to die (``_hold``).
     """
 
     def __init__(self, layout: Layout, rows: int, memory: str = "plain") -> None:
@@ -159,7 +156,7 @@ class Buffers:
         # No scalar field (a 1-tuple of a tensor): numpy's (rows, 0) array cannot be cast to bytes; nothing is copied
         self.scalar_view = memoryview(self.scalars).cast("B") if layout.scalar_size else memoryview(bytearray())  # type: ignore[arg-type]
         self.busy = False
-        self.moved = False  # a handed-out storage let go of its array while its tensor lived: never reused
+        self.lent: list[weakref.ref[Any] | None] = [None] * len(arrays)  # each array's last batch storage (_hold)
         self.event: Any = None  # set by the loader: the slot is reused only once event.query() is True
         del arrays  # a local reference counted into the base would make a handed-out batch look unused
         self._base = self._counts()
@@ -174,7 +171,14 @@ class Buffers:
 
     def unused(self) -> bool:
         """True when no tensor, view, numpy array or storage handed out from this slot is alive anywhere."""
-        return not self.busy and not self.moved and self._counts() == self._base
+        return not self.busy and self._counts() == self._base and not any(r is not None and r() for r in self.lent)
+
+    @property
+    def moved(self) -> bool:
+        """A storage handed out from this slot lives but no longer holds its array (``share_memory_()`` moved it):
+        the slot waits for it to die (``_hold``)."""
+        counts = self._counts()
+        return any(r is not None and r() is not None and counts[k] <= self._base[k] for k, r in enumerate(self.lent))
 
     def free(self) -> bool:
         """Unused, and the consumer's device copies of its last batch (``event``) are done."""

@@ -69,24 +69,22 @@ epoch; ``multiprocessing_context`` as in DataLoader).
 
 from __future__ import annotations
 
-import inspect
-import os
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import ConcatDataset, DistributedSampler, Subset
 
-from ..errors import InvalidOptionError, LmdbCacheWarning
+from ..errors import InvalidOptionError, warn
 from ._fused import Fused
 from ._fused import check as check_fused
 from ._gather import Layout
 from ._order import Batches, epoch_of, rows, world_of
 from ._pass import InlinePass, Pass, PassSpec, Ring, current_stream_event, stamp
 from ._resume import check_settings, position_in
+from ._source import source_of
 from ._spare import Spare
 from ._workers import WorkerPass
 from .augment import compile_plan
@@ -95,22 +93,6 @@ if TYPE_CHECKING:
     from ..dataset import CachedDataset
 
 __all__ = ["Loader"]
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` that makes a warning issued by the caller point at the first frame outside lmdbcache.
-
-    ``Loader(...)`` and ``ds.loader(...)`` reach the warning through different depths; a fixed
-    stacklevel named ``dataset.py`` for the second. (Python 3.12's ``skip_file_prefixes`` does this.)
-    """
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # lmdbcache/, not loader/
-    frame = inspect.currentframe()
-    if frame is None:  # an interpreter without frame objects: the caller's caller, as before
-        return 2
-    frame, level = frame.f_back, 1  # the frame that calls warnings.warn is level 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _check_options(
@@ -177,6 +159,9 @@ class Loader:
     loader inside a loop over it) starts a new pass at the position and ends the old one, whose
     consumer is told so at its next batch (a second Loader serves a nested loop).
 
+    ``dataset``: a ``CachedDataset``, or torch ``Subset`` / ``ConcatDataset`` wrappers of them, mapped onto the
+    caches underneath and copied from their maps as a plain cache is (``_source``).
+
     ``batch_transform`` runs on the planner thread on every whole batch. See the module
     docstring for threads, buffer reuse, pinned memory (``pin_memory``; ``record_event``: a
     callable run in the consumer's thread each time it asks for the next batch, returning an
@@ -200,7 +185,7 @@ class Loader:
 
     def __init__(
         self,
-        dataset: CachedDataset,
+        dataset: CachedDataset | Subset[Any] | ConcatDataset[Any],
         batch_size: int | None = 1,
         *,
         shuffle: bool = False,
@@ -227,6 +212,7 @@ class Loader:
         if num_workers is not None and (type(num_workers) is not int or num_workers < 0):
             raise InvalidOptionError(f"num_workers must be None (automatic) or an int >= 0, not {num_workers!r}.")
         self.num_workers, self.multiprocessing_context = num_workers, multiprocessing_context
+        self._source = source_of(dataset)  # the dataset, or a Subset / ConcatDataset mapped onto its caches
         self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, bool(shuffle), seed
         self.drop_last, self.num_threads, self.prefetch = bool(drop_last), num_threads, prefetch
         self.batch_transform = batch_transform
@@ -240,11 +226,7 @@ class Loader:
         self._emptied = False  # set_epoch kept a loaded state's finished epoch: the next pass is empty
         self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
         if pin_memory and not self.pin_memory:
-            warnings.warn(
-                "lmdbcache.Loader: pin_memory=True but CUDA is not available; batches are not pinned.",
-                LmdbCacheWarning,
-                stacklevel=_user_stacklevel(),
-            )
+            warn("lmdbcache.Loader: pin_memory=True but CUDA is not available; batches are not pinned.")
         if record_event is None and self.pin_memory:
             record_event = current_stream_event
         self.record_event = record_event
@@ -258,7 +240,7 @@ class Loader:
         self._closed = False
         self._fused = None
         if augment is not None:
-            check_fused(dataset, num_workers)
+            check_fused(self._source.transform, num_workers)
             self._fused = Fused(compile_plan(augment, augment_field, channels_last, image_layout))
 
     # ------------------------------------------------------------------ order and position
@@ -414,12 +396,12 @@ class Loader:
         """How many worker processes build the batches (0: the thread path). See ``num_workers``."""
         if self.num_workers is not None:
             return self.num_workers
-        return self.num_threads if self.dataset.transform is not None else 0
+        return self.num_threads if self._source.transform is not None else 0
 
     def _spec(self) -> PassSpec:
         """What the next pass needs from this loader (see ``_pass.PassSpec``)."""
         return PassSpec(
-            self.dataset, self.num_threads, self.prefetch, self.pin_memory, self.batch_transform, self.seed,
+            self._source, self.num_threads, self.prefetch, self.pin_memory, self.batch_transform, self.seed,
             self.seed_transforms, self._ring, self._layouts, self.worker_processes, self.multiprocessing_context,
             self._fused, self.sampler is None and self.batch_sampler is None,
         )  # fmt: skip
@@ -428,7 +410,7 @@ class Loader:
         kind: type[Pass] | type[WorkerPass] = Pass
         if self.worker_processes:
             kind = WorkerPass
-        elif self._small and self._fused is None and self.dataset.transform is None:
+        elif self._small and self._fused is None and self._source.transform is None:
             kind = InlinePass  # the last pass's batches were all small copies: build them here (see InlinePass)
         spare = self._spare.take(self._spec(), epoch, batches, start if kind is Pass else -1)  # if it fits exactly
         run: Pass | WorkerPass = spare or kind(self._spec(), epoch, batches, start)

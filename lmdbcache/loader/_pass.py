@@ -31,6 +31,7 @@ from .._native.batch import Spans
 from ..errors import StrayStopIterationError, add_note
 from ..store._store import MISSING
 from ._gather import Buffers, Layout, layout_of
+from ._source import Mapped, assemble
 
 if TYPE_CHECKING:
     from ..dataset import CachedDataset
@@ -168,7 +169,7 @@ class PassSpec:
     only uses them. Never the Loader itself: a pass does not reach into its owner's state.
     """
 
-    dataset: CachedDataset
+    dataset: CachedDataset | Mapped
     num_threads: int
     prefetch: int
     pin_memory: bool
@@ -288,13 +289,32 @@ class Pass:
     def _gather(self, indices: list[int]) -> tuple[Any, list[Buffers]]:
         """The batch copied from the map (None when it must take the fallback path) and its ring slots."""
         ds, spec = self.ds, self.spec
+        if not isinstance(ds, Mapped):
+            return self._copied(ds, indices, spec.seed, spec.own_order, spec.pin_memory)
+        if spec.fused is None and ds.transform is not None:
+            return None, []
+        parts = ds.split(ds.checked_indices(indices), spec.seed)  # a Subset / ConcatDataset: its caches' indices
+        if len(parts) == 1:
+            return self._copied(parts[0].ds, parts[0].indices, parts[0].seed, True, spec.pin_memory)
+        batches = []
+        for part in parts:  # one after the other: each takes the pool's threads, and a ring slot until merged
+            batch, _ = self._copied(part.ds, part.indices, part.seed, True, False)
+            if batch is None:
+                return None, []  # the fallback reads the whole batch through the wrapper
+            batches.append(batch)
+        return assemble(parts, batches, len(indices), spec.pin_memory, spec.fused, self.epoch), []
+
+    def _copied(
+        self, ds: CachedDataset, indices: list[int], seed: int, checked: bool, pin: bool
+    ) -> tuple[Any, list[Buffers]]:
+        """``_gather`` of the batch ``indices`` of the one cache ``ds`` (``seed``: its augmentation seed)."""
+        spec = self.spec
         if spec.fused is not None:
-            seeds = (spec.seed, self.epoch)
-            batch, slots = spec.fused.batch(ds, spec.ring, self.pool, spec.num_threads, seeds, indices)
-            return (pin_batch(batch) if spec.pin_memory and not slots else batch), slots  # the torch path's batch
+            batch, slots = spec.fused.batch(ds, spec.ring, self.pool, spec.num_threads, (seed, self.epoch), indices)
+            return (pin_batch(batch) if pin and not slots else batch), slots  # the torch path's batch
         if ds.transform is not None:
             return None, []
-        if not spec.own_order:
+        if not checked:
             indices = ds.checked_indices(indices)  # a sampler may give numpy or negative indices, or bad ones
         last = self.last
         if last is not None and last.sample_bytes * len(indices) < INLINE:  # the compiled core's one call
@@ -414,14 +434,14 @@ def stamp(slots: list[Buffers], event: Any) -> None:
         buffers.event = event
 
 
-def together(ds: CachedDataset, indices: list[int]) -> list[Any]:
+def together(ds: CachedDataset | Mapped, indices: list[int]) -> list[Any]:
     try:
         return ds.__getitems__(indices)
     except StopIteration as exc:  # from the source dataset, filling a miss
         raise stray(exc, f"the dataset reading indices {indices}") from exc
 
 
-def one_by_one(ds: CachedDataset, indices: list[int], seeds: tuple[int, int] | None = None) -> list[Any]:
+def one_by_one(ds: CachedDataset | Mapped, indices: list[int], seeds: tuple[int, int] | None = None) -> list[Any]:
     out = []
     for index in indices:
         try:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._pass import Pass, PassSpec
+from ._source import Mapped
 
 __all__ = ["Spare"]
 
@@ -78,7 +79,8 @@ class Spare:
             return None
         if run.spec == spec and run.epoch == epoch and (run.batches is batches or run.batches == batches) and not start:
             try:  # the cache rebuilt (or closed) since its first batch was read?
-                spec.dataset.read_batch([], _no_copy)  # one lock and read transaction: the build is checked
+                for cache in spec.dataset.leaves if isinstance(spec.dataset, Mapped) else [spec.dataset]:
+                    cache.read_batch([], _no_copy)  # one lock and read transaction: the build is checked
             except Exception:  # whatever it is, the fresh pass below raises it at its batch 0
                 pass
             else:

@@ -32,6 +32,7 @@ from ._pass import PassSpec, ended, one_by_one, stray
 
 if TYPE_CHECKING:
     from ..dataset import CachedDataset
+    from ._source import Mapped
 
 __all__ = ["WorkerPass"]
 
@@ -39,7 +40,7 @@ __all__ = ["WorkerPass"]
 class _Seeded(Dataset[Any]):
     """In a worker: the samples of a batch of (seed, epoch, index) items, each transform seeded as on the threads."""
 
-    def __init__(self, ds: CachedDataset, seeded: bool) -> None:
+    def __init__(self, ds: CachedDataset | Mapped, seeded: bool) -> None:
         self.ds, self.seeded = ds, seeded
 
     def __len__(self) -> int:

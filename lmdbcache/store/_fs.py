@@ -21,11 +21,10 @@ import json
 import os
 import shutil
 import stat
-import warnings
 from typing import Any
 
 from .._options import MIB
-from ..errors import CacheFullError, CorruptCacheError, LmdbCacheWarning, NotACacheError
+from ..errors import CacheFullError, CorruptCacheError, NotACacheError, warn
 from ._pages import reachable_past
 
 __all__ = [
@@ -97,11 +96,9 @@ def warn_if_network_fs(path: str) -> None:
     fstype = filesystem_type(path)
     if fstype in NETWORK_FS and path not in _warned_paths:
         _warned_paths.add(path)
-        warnings.warn(
+        warn(
             f"Cache '{path}' is on a network filesystem ({fstype}). LMDB's locking is not safe there: use it from "
-            "one machine only, or better, build or copy the cache to a local disk (`lmdbcache copy`).",
-            LmdbCacheWarning,
-            stacklevel=4,
+            "one machine only, or better, build or copy the cache to a local disk (`lmdbcache copy`)."
         )
 
 

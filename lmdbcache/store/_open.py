@@ -10,7 +10,6 @@ with the settings the marker kept). Files that are not ours are never touched.
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -22,9 +21,9 @@ from ..errors import (
     CacheMismatchError,
     CorruptCacheError,
     InvalidOptionError,
-    LmdbCacheWarning,
     NotACacheError,
     ReadOnlyCacheError,
+    warn,
 )
 from ..format import _compress, _pack
 from . import _fs, _metadata
@@ -121,11 +120,7 @@ def _open_writable(
         if boot is not None:
             if length is None:
                 raise CorruptCacheError(_torn_message(path, boot) + " Open it with its dataset to rebuild it.")
-            warnings.warn(
-                _torn_message(path, boot) + " It is being rebuilt: its samples are decoded again.",
-                LmdbCacheWarning,
-                stacklevel=5,
-            )
+            warn(_torn_message(path, boot) + " It is being rebuilt: its samples are decoded again.")
             compress, pack = _kept_settings(path, compress, pack)
             _fs.remove_lmdb_files(path)
         elif _fs.has_unsynced(path):

@@ -226,6 +226,19 @@ def freeze_inherited(option: bool | None = None) -> None:
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent, after_in_child=_after_fork_child)
 
 
+_flushed_pid = 0  # the process whose exit hook ran (_at_exit)
+
+
+def _at_exit() -> None:
+    """The exit hook: ``_flush_all_at_exit`` once per process. In a main process both atexit and multiprocessing's
+    own exit hook (which runs the ``Finalize`` below) call it, and a close failing at exit warned twice (two
+    tracebacks under ``-W error``, after pytest's summary)."""
+    global _flushed_pid
+    if _flushed_pid != os.getpid():
+        _flushed_pid = os.getpid()
+        _flush_all_at_exit()
+
+
 def _flush_all_at_exit() -> None:
     for store in list(_stores.values()):
         if store.owned:
@@ -258,12 +271,12 @@ def _register_exit_flush() -> None:
     if _exit_flush_pid == _pid:
         return
     _exit_flush_pid = _pid
-    atexit.register(_flush_all_at_exit)
+    atexit.register(_at_exit)
     import multiprocessing
     import multiprocessing.util
 
     # Process._bootstrap runs these (not atexit) before a worker's os._exit().
-    multiprocessing.util.Finalize(None, _flush_all_at_exit, exitpriority=100)
+    multiprocessing.util.Finalize(None, _at_exit, exitpriority=100)
     if multiprocessing.parent_process() is not None:
         _commit_on_sigterm()
 

@@ -51,7 +51,6 @@ modules behind ``Store``, and what each may import (one way)::
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -59,7 +58,7 @@ from typing import Any
 import lmdb
 
 from .._options import MIB, parse_size
-from ..errors import CacheClosedError, CacheMismatchError, CorruptCacheError, LmdbCacheWarning
+from ..errors import CacheClosedError, CacheMismatchError, CorruptCacheError, warn
 from ..format import _compress
 from ..format._frames import require
 from . import _metadata
@@ -148,8 +147,19 @@ class Store:
     def read_batch(
         self, indices: list[int], always: bool, build: str | None, copy: Callable[[list[Any], list[bool]], Any]
     ) -> Any:
-        """``Reader.read_batch``: ``copy(views, check_data)`` under the lock and one read transaction."""
-        return self.reader.read_batch(indices, always, build, copy)
+        """``Reader.read_batch``: ``copy(views, check_data)`` under the lock and one read transaction.
+
+        A batch holding a sample this process decoded but has not committed yet (a miss of the last
+        ``commit_interval``) commits the queue and is read again: such a value is not in the map, so every
+        batch holding one took the loader's slow path (``__getitems__``, then per-sample torch ops under
+        ``augment=``) until the committer's interval ran out: 2-8x the CPU per image in the epochs right
+        after a fill (issue 38; ``python -m bench.after_fill``).
+        """
+        result = self.reader.read_batch(indices, always, build, copy)
+        if result is MISSING and self.writer.holds_any(indices):
+            self.writer.flush()
+            result = self.reader.read_batch(indices, always, build, copy)
+        return result
 
     # The handle's and the writer's state, as callers read it.
 
@@ -225,12 +235,10 @@ class Store:
         """
         self.writer.sync = self.writer.sync or sync
         if max_readers != self.max_readers:
-            warnings.warn(
+            warn(
                 f"Cache '{self.path}' is already open in this process with max_readers={self.max_readers}; "
                 f"max_readers={max_readers} cannot take effect (LMDB sizes the reader table when the first "
-                "process opens the cache). Pass the same value to every CachedDataset on this path.",
-                LmdbCacheWarning,
-                stacklevel=4,
+                "process opens the cache). Pass the same value to every CachedDataset on this path."
             )
         map_size = min(parse_size(map_size), MAX_MAP)
         if map_size > self.map_size:

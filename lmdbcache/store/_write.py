@@ -79,6 +79,12 @@ class Writer:
         """Samples queued and not yet handed to the committer."""
         return len(self._queue.pending)
 
+    def holds_any(self, indices: list[int]) -> bool:
+        """Whether this process has queued (or is committing) any of ``indices``: decoded, not yet in the map."""
+        with self._lock:
+            lookup = self._queue.lookup
+            return any(lookup(index) is not None for index in indices)
+
     def file_lock(self) -> filelock.BaseFileLock:
         """The inter-process write lock (``lmdbcache.lock``): every commit, and a create or rebuild, holds it."""
         if self._file_lock is None:

@@ -220,5 +220,5 @@ def _storage_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="K",
         help="store each K consecutive samples under 16 KiB as one record in a new cache (default 64; 0: one "
-        "record per sample; see README 'Packs'); an existing cache keeps its own, another K is refused",
+        "record per sample; see docs/usage.md, Packs); an existing cache keeps its own, another K is refused",
     )

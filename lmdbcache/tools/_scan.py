@@ -99,6 +99,7 @@ def _scan(path: str, repair: bool, report: _Report) -> tuple[int, int]:
             entries, miscount = store.count(), None
         except CorruptCacheError as exc:  # e.g. more entries than the length: the scan says which
             entries, miscount = -1, str(exc)
+        _import_torch()  # before "s": the parent's bar starts counting (its rate, its ETA) from that line
         report.send("s", str(length), str(entries))
         tally = _read_all(store, length, report)
         if tally.stopped:
@@ -129,6 +130,15 @@ def _scan(path: str, repair: bool, report: _Report) -> tuple[int, int]:
             )
             return tally.checked, 0
         return tally.checked, _delete(store, tally.bad, report) if repair and tally.bad else 0
+
+
+def _import_torch() -> None:
+    """Import torch now, as decoding the first tensor would: seconds on a loaded machine, which the bar counted as
+    the first entry's (a rate of a few entries per second and an ETA of minutes at the start)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:  # samples without tensors decode without it
+        pass
 
 
 @dataclasses.dataclass

@@ -12,9 +12,10 @@ import contextlib
 import gc
 import json
 import os
+import re
 import signal
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import LmdbCacheError
@@ -28,6 +29,28 @@ def _bar(total: int | None, unit: str, quiet: bool, **kwargs: Any) -> Any:
     from ._progress import progress_bar
 
     return progress_bar(total, unit, quiet, **kwargs)
+
+
+@contextlib.contextmanager
+def _counted(quiet: bool) -> Iterator[tuple[Callable[[int], None], Callable[[int], None]]]:
+    """``(started, progress)`` for verify and merge: the bar appears when ``started(total)`` gives its total, so it
+    neither shows "0sample" at an unknown rate nor measures its rate (and ETA) from before the work began."""
+    bars: list[Any] = []
+
+    def started(total: int) -> None:
+        bars.append(_bar(total, "sample", quiet))
+
+    def progress(count: int) -> None:
+        if bars:
+            bars[-1].update(count)
+            if bars[-1].n >= bars[-1].total:
+                bars[-1].close()  # at 100%: not left running while the scan's process exits
+
+    try:
+        yield started, progress
+    finally:
+        for bar in bars:
+            bar.close()
 
 
 def _precompute(args: argparse.Namespace) -> int:
@@ -112,13 +135,8 @@ def _info(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from ._ops import verify
 
-    with _bar(None, "sample", args.quiet) as bar:
-
-        def started(total: int) -> None:
-            bar.total = total
-            bar.refresh()
-
-        result = verify(args.path, repair=args.repair, progress=bar.update, started=started)
+    with _counted(args.quiet) as (started, progress):
+        result = verify(args.path, repair=args.repair, progress=progress, started=started)
     text, code = _verify_report(result, args.repair)
     print(text)
     return code
@@ -217,13 +235,8 @@ def _copy(args: argparse.Namespace) -> int:
 def _merge(args: argparse.Namespace) -> int:
     from ._merge import merge
 
-    with _bar(None, "sample", args.quiet) as bar:
-
-        def started(total: int) -> None:
-            bar.total = total
-            bar.refresh()
-
-        result = merge(args.out, args.shards, progress=bar.update, started=started)
+    with _counted(args.quiet) as (started, progress):
+        result = merge(args.out, args.shards, progress=progress, started=started)
     state = "complete" if result.complete else f"incomplete: {result.length - result.cached} indices missing"
     shards = f"{result.shards} shard" + ("" if result.shards == 1 else "s")
     print(
@@ -292,6 +305,10 @@ _FLAGS = (
 
 def _cli_words(command: str, message: str) -> str:
     """Reword a library message for the command line: ``--overwrite``, ``lmdbcache precompute``."""
+    if command == "merge":  # its OUT is made of the shards: neither a source to rebuild it from nor --overwrite
+        message = message.replace(", use another path, or pass overwrite=True to rebuild it", " or use another path")
+        message = re.sub(r",? or pass overwrite=True to (?:rebuild|replace) it(?: with the new one)?", "", message)
+        message = message.replace("pass overwrite=True", "write the merge to a new path")
     flag = "--overwrite" if command in _HAS_OVERWRITE else "`lmdbcache precompute SPEC PATH --overwrite`"
     message = message.replace("(overwrite=True, or `lmdbcache precompute --overwrite`)", f"({flag})")
     message = message.replace("pass overwrite=True", f"pass {flag}").replace("overwrite=True", flag)
