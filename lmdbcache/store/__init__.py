@@ -3,7 +3,8 @@
 ``_store`` (Store: initialize, close, fork) composes a ``Reader`` (``_read``, with ``_native_read``
 on the compiled core) and a ``Writer`` (``_write``, with its commit queue ``_commit``), each over
 the one per-process ``Handle`` (``_handle``) it holds, and a ``Scanner`` (``_scanner``); ``_open``
-creates, checks and rebuilds a directory; ``_env`` opens and sizes the LMDB environment, ``_metadata`` is the
+creates, checks and rebuilds a directory; ``_env`` opens and sizes the LMDB environment (``_engine``: its
+engine's page layout, LMDB 0.9's or 1.0's), ``_metadata`` is the
 metadata record, ``_fs`` the directory and its files (and the unsynced marker), ``_guard``
 the bounds check of a record against the mapped file (``_address``: a buffer's address),
 ``_lmdb_errors`` the one translation of LMDB's errors, ``_registry`` one Store per
