@@ -48,7 +48,7 @@ class Layout:
         return name + self.name_end
 
 
-_HEADERS = {(0, 9): 16, (1, 0): 24}
+_HEADERS: dict[tuple[int, ...], int] = {(0, 9): 16, (1, 0): 24}
 
 
 def engine_version(env: lmdb.Environment) -> tuple[int, ...]:
@@ -110,6 +110,7 @@ def unreadable_engine(data_file: str, path: str) -> MissingExtraError | None:
 def _has_engine(major: int) -> bool:
     """Does this py-lmdb bundle an LMDB ``major``.x engine (``lmdb.version(lib_version=)``: py-lmdb 3.0 on)?"""
     try:
-        return tuple(lmdb.version(lib_version=major))[:1] == (major,)  # type: ignore[call-overload]
+        # py-lmdb's stubs before 3.0 have no lib_version: the ignore serves mypy under either
+        return tuple(lmdb.version(lib_version=major))[:1] == (major,)  # type: ignore[call-overload,unused-ignore]
     except (TypeError, lmdb.Error):
         return tuple(lmdb.version())[:1] == (major,)
