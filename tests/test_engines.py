@@ -107,7 +107,8 @@ def fill_in_child(path: Path, engine: str, pack: int, pure: bool = False) -> dic
     """Fill, reopen, read, batch, ``info`` and ``verify`` the cache at ``path`` in a child whose new environments
     are written by LMDB ``engine`` ("0": 0.9, "1": 1.0); what it saw."""
     env = {**os.environ, "LMDB_DEFAULT_LIB_VERSION": engine, "PYTHONPATH": os.pathsep.join([str(TESTS), PACKAGE_ROOT])}
-    env["LMDBCACHE_PURE_PYTHON"] = "1" if pure else ""
+    if pure:  # else the child takes this process's path (make test-pure runs this file with the core off)
+        env["LMDBCACHE_PURE_PYTHON"] = "1"
     out = subprocess.run(
         [sys.executable, "-c", _CHILD, str(path), str(pack)], env=env, capture_output=True, text=True, timeout=240
     )
@@ -154,7 +155,11 @@ def test_a_cache_of_either_engine_reads_in_a_process_whose_default_may_be_the_ot
         for i in range(N):
             assert_same(ds[i], mixed_for(i), f"sample {i}")
         if read_path == "native":
-            assert ds._live_store().reader._tree[7] is not None  # type: ignore[attr-defined]  # the core read them
+            tree = ds._live_store().reader._tree  # type: ignore[attr-defined]
+            assert tree is not None and tree[7] is not None  # the core read them
+            assert tree[7].__self__.index(True) == 1  # the location table: one walk over every leaf page
+            for i in range(N):  # now answered by the table (packs: their slots entered at the first read)
+                assert_same(ds[i], mixed_for(i), f"sample {i} through the table")
         for batch, (values, labels) in zip(BATCHES, ds.loader(batch_sampler=BATCHES), strict=True):
             assert labels.tolist() == batch
             for row, i in enumerate(batch):
