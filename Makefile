@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: install ci test test-pure stress demo lint bench clean native-asan fuzz native-pythons
+.PHONY: install ci test test-pure stress demo lint bench clean native-asan fuzz native-pythons lmdb-versions
 
 $(STAMP): pyproject.toml setup.py lmdbcache/_native/_core.c lmdbcache/_native/_augment.c Makefile
 	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
@@ -26,8 +26,8 @@ $(STAMP): pyproject.toml setup.py lmdbcache/_native/_core.c lmdbcache/_native/_a
 install: $(STAMP)
 
 # Every check, as CI runs it (.ci/run): lint, types, then the tests on the compiled core and again on the
-# pure-Python path.
-ci: lint test test-pure
+# pure-Python path, then the engine tests on the oldest and newest py-lmdb the package admits.
+ci: lint test test-pure lmdb-versions
 
 # tests/stress runs here in its short form; `make stress` runs it long (minutes).
 test: install
@@ -96,6 +96,38 @@ native-pythons:
 			failed="$$failed $$v(tests)"; \
 	done; \
 	echo "== native-pythons: ran:$${ran:- none}; failed:$${failed:- none}"; [ -z "$$failed" ]
+
+# py-lmdb across what pyproject admits (lmdb>=1.4, but not 2.2.0-2.2.1: they invalidate the named-database handles
+# that a map growth keeps, fixed in 2.3.0) and both engines of 3.x (LMDB 0.9 and 1.0: two page layouts). For the
+# oldest (LMDB_OLDEST: built from its sdist where no wheel fits this Python, ~20 s) and the newest on the index
+# (LMDB_NEWEST, empty: pip's newest, looked up again at every run), a venv in build/lmdb/<version> holding only
+# that py-lmdb, everything else taken from .venv (a .pth placed after the venv's own packages: torch is not installed
+# twice), then the tests whose outcome depends on the engine: tests/test_engines.py (fill with map growth, reopen,
+# info, verify, batches, both read paths, the LMDB 1.0 golden cache, or under a py-lmdb without 1.0 the clear error
+# it gives) and tests/test_native_core.py (the core's snapshot reader against py-lmdb on each engine it has). The
+# newest runs test_engines.py again with LMDB_DEFAULT_LIB_VERSION=1: this process's own new caches are LMDB 1.0's.
+LMDB_OLDEST ?= 1.4.0
+LMDB_NEWEST ?=
+LMDB_TESTS = tests/test_engines.py tests/test_native_core.py
+lmdb-versions: install
+	@site=$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); failed=""; \
+	for spec in "oldest lmdb==$(LMDB_OLDEST)" "newest lmdb$(if $(LMDB_NEWEST),==$(LMDB_NEWEST))"; do \
+		set -- $$spec; dir="$(CURDIR)/build/lmdb/$$1"; \
+		{ [ -x "$$dir/bin/python" ] || $(PY) -m venv --system-site-packages "$$dir"; } && \
+		"$$dir/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade "$$2" && \
+		own=$$("$$dir/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
+		printf 'import site; site.addsitedir("%s")\n' "$$site" >"$$own/zz_lmdbcache_base.pth" || \
+			{ failed="$$failed $$1(install)"; continue; }; \
+		version=$$("$$dir/bin/python" -c "import lmdb; print(lmdb.__version__, lmdb.version())"); \
+		echo "== $$1: py-lmdb $$version (build/lmdb/$$1)"; \
+		"$$dir/bin/python" -m pytest -q -p no:cacheprovider $(LMDB_TESTS) || failed="$$failed $$1"; \
+		if [ "$$1" = newest ]; then \
+			echo "== newest, LMDB_DEFAULT_LIB_VERSION=1"; \
+			LMDB_DEFAULT_LIB_VERSION=1 "$$dir/bin/python" -m pytest -q -p no:cacheprovider tests/test_engines.py || \
+				failed="$$failed newest(LMDB_DEFAULT_LIB_VERSION=1)"; \
+		fi; \
+	done; \
+	echo "== lmdb-versions: failed:$${failed:- none}"; [ -z "$$failed" ]
 
 demo: install
 	$(PY) scripts/demo.py

@@ -21,7 +21,8 @@ Each one also subclasses the builtin a caller would already catch::
     ├── NondeterministicDatasetError(ValueError) the source returned two different samples for one index
     ├── SourceItemError(RuntimeError)           the source raised while precompute read an index
     ├── StrayStopIterationError(RuntimeError)   a dataset or transform raised StopIteration inside a Loader pass
-    └── MissingExtraError(ImportError)          a compressed cache, and the extra that reads it is not installed
+    └── MissingExtraError(ImportError)          a compressed cache, and the extra that reads it is not installed;
+                                                a cache LMDB 1.0 wrote, and py-lmdb has no 1.0 engine (< 3.0)
 
 ``LmdbCacheWarning(UserWarning)`` is for situations that work but deserve attention
 (a cache on a network filesystem, an option that cannot be honoured).
@@ -124,7 +125,8 @@ class StrayStopIterationError(LmdbCacheError, RuntimeError):
 
 
 class MissingExtraError(LmdbCacheError, ImportError):
-    """A cache is compressed with a codec whose optional module (``pip install 'lmdbcache[zstd]'``) is missing."""
+    """A cache needs a module that is missing: its codec's (``pip install 'lmdbcache[zstd]'``), or a py-lmdb that
+    bundles LMDB 1.0 (3.0 or later) for a cache LMDB 1.0 wrote."""
 
 
 class LmdbCacheWarning(UserWarning):

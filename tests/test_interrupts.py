@@ -302,7 +302,8 @@ while time.monotonic() < end:
         raised += 1
         with store._lock:  # the environment the store reads and the map its guard bounds reads by: the same
             h = store.handle
-            if h._env is not None and MapGuard(h._guard.data_file, h._guard.page_size).start != h._guard.start:
+            g = h._guard
+            if h._env is not None and MapGuard(g.data_file, g.page_size, g.header).start != g.start:
                 stale += 1
 stop.set()
 for t in threads:

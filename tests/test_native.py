@@ -1166,12 +1166,12 @@ def test_sample_agrees_with_decode_on_every_single_byte_damage(tmp_path: Any, ki
         with env.begin(write=True) as txn:
             for i, value in values.items():
                 txn.put(key(i), value, db=db)
-        guard = MapGuard(str(tmp_path / "env" / "data.mdb"), env.stat()["psize"])
+        guard = MapGuard(str(tmp_path / "env" / "data.mdb"), env.stat()["psize"], 16)  # LMDB 0.9's page header
         base, length, _ = guard.mapping()
         with env.begin() as txn:
-            code, root, depth = core.open_tree(base, length, env.stat()["psize"], txn.id(), b"samples")
+            code, root, depth = core.open_tree(base, length, env.stat()["psize"], 16, txn.id(), b"samples")
             assert code == _native.OK
-            tree = core.Tree(base, length, env.stat()["psize"], root, depth, 0, len(values), PREFETCH_MIN)
+            tree = core.Tree(base, length, env.stat()["psize"], 16, root, depth, 0, len(values), PREFETCH_MIN)
             outcomes = collections.Counter()
             for always in (False, True):
                 verified = bytearray(len(values))
@@ -1452,8 +1452,8 @@ def test_newest_txnid_is_the_maps_last_commit(tmp_path: Any) -> None:
                 m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             view = np.frombuffer(m, np.uint8)
             base = view.__array_interface__["data"][0]
-            assert core.newest_txnid(base, len(m), 4096) == env.info()["last_txnid"] == k + 1
-            assert core.newest_txnid(base, 4096 + 151, 4096) == 0  # too short to hold both meta pages
+            assert core.newest_txnid(base, len(m), 4096, 16) == env.info()["last_txnid"] == k + 1
+            assert core.newest_txnid(base, 4096 + 151, 4096, 16) == 0  # too short to hold both meta pages
             del view
             m.close()
     finally:

@@ -24,6 +24,7 @@ from xxhash import xxh3_64_intdigest
 
 import lmdbcache
 from lmdbcache import _native
+from lmdbcache.store._engine import layout_of
 from lmdbcache.store._guard import MapGuard
 
 # Where the lmdbcache under test was imported from (the checkout, or a venv's site-packages): a child imports the same.
@@ -133,9 +134,41 @@ def test_xxh3_copy_arguments() -> None:
 
 
 # ----------------------------------------------------------------------------------------
-# The snapshot reader (open_tree, locate) against py-lmdb on real environments
+# The snapshot reader (open_tree, locate) against py-lmdb on real environments, written by each LMDB engine
 
 _KEY = struct.Struct(">Q").pack
+
+
+def _has_lmdb_1_0() -> bool:
+    """py-lmdb 3.0 on bundles LMDB 1.0 beside 0.9 (``lib_version=1``); earlier releases have one engine."""
+    try:
+        return tuple(lmdb.version(lib_version=1))[:1] == (1,)  # type: ignore[call-overload,unused-ignore]
+    except TypeError:
+        return False
+
+
+@pytest.fixture(
+    params=[
+        0,
+        pytest.param(1, marks=pytest.mark.skipif(not _has_lmdb_1_0(), reason="this py-lmdb has no LMDB 1.0 engine")),
+    ],
+    ids=["lmdb-0.9", "lmdb-1.0"],
+)
+def engine(request: Any) -> int:
+    """The LMDB line that writes the environment: 0.9 (data format 1) or 1.0 (format 3: its own page layout)."""
+    return int(request.param)
+
+
+def open_env(path: str, engine: int, **options: Any) -> lmdb.Environment:
+    """A new environment written by ``engine`` (py-lmdb before 3.0 has only 0.9: no ``lib_version``)."""
+    return lmdb.open(path, **options, **({"lib_version": engine} if engine else {}))
+
+
+def _mapping(env: lmdb.Environment, path: str) -> tuple[int, int, int]:
+    """(base, length, page header size) of ``env``'s data.mdb as the store's guard finds it."""
+    header = layout_of(env).header
+    base, length, _ = MapGuard(os.path.join(path, "data.mdb"), env.stat()["psize"], header).mapping()
+    return base, length, header
 
 
 def _value_for(i: int, rng: random.Random) -> bytes:
@@ -146,18 +179,17 @@ def _value_for(i: int, rng: random.Random) -> bytes:
 
 def _located(env: lmdb.Environment, path: str, name: bytes = b"samples") -> dict[bytes, bytes | None]:
     """Every key of ``name`` as the native reader finds it in a fresh read transaction, checked as it goes."""
-    guard = MapGuard(os.path.join(path, "data.mdb"), env.stat()["psize"])
-    base, length, _ = guard.mapping()
+    base, length, header = _mapping(env, path)
     assert base and length
     psize = env.stat()["psize"]
     db = env.open_db(name)
     out: dict[bytes, bytes | None] = {}
     with env.begin(buffers=True) as txn:
-        code, root, depth = core.open_tree(base, length, psize, txn.id(), name)
+        code, root, depth = core.open_tree(base, length, psize, header, txn.id(), layout_of(env).db_key(name))
         assert code == 0, _native.reason(code)
         assert depth == txn.stat(db)["depth"]
         for key, value in txn.cursor(db=db):
-            code, offset, size = core.locate(base, length, psize, root, depth, bytes(key))
+            code, offset, size = core.locate(base, length, psize, header, root, depth, bytes(key))
             assert code == 0, (bytes(key), _native.reason(code))
             assert offset + size <= length
             got = ctypes.string_at(base + offset, size)
@@ -165,8 +197,8 @@ def _located(env: lmdb.Environment, path: str, name: bytes = b"samples") -> dict
             out[bytes(key)] = got
         for missing in (_KEY(10**9), b"\xff" * 9, _KEY(3) + b"P"):
             if txn.get(missing, db=db) is None:
-                assert core.locate(base, length, psize, root, depth, missing)[0] == _native.NOTFOUND
-        assert core.locate(base, length, psize, root, depth, b"")[0] == _native.NOTFOUND
+                assert core.locate(base, length, psize, header, root, depth, missing)[0] == _native.NOTFOUND
+        assert core.locate(base, length, psize, header, root, depth, b"")[0] == _native.NOTFOUND
     return out
 
 
@@ -176,29 +208,31 @@ def env_path(tmp_path: Any) -> str:
 
 
 @needs_core
-def test_locate_equals_lmdb_many_keys(env_path: str) -> None:
-    """Every key of a three-level tree with inline and overflow values is found with py-lmdb's bytes."""
+def test_locate_equals_lmdb_many_keys(env_path: str, engine: int) -> None:
+    """Every key (odd lengths too) of a three-level tree of inline and overflow values is found with py-lmdb's bytes."""
     rng = random.Random(5)
-    env = lmdb.open(env_path, max_dbs=4, map_size=1 << 28, readahead=False)
+    env = open_env(env_path, engine, max_dbs=4, map_size=1 << 28, readahead=False)
     try:
         db = env.open_db(b"samples")
         env.open_db(b"meta")
         with env.begin(write=True) as txn:
             for i in rng.sample(range(200_000), 40_000):
-                txn.put(_KEY(i), _value_for(i, rng) if i % 3 else b"x" * (i % 40), db=db)
+                # A pack's key is 9 bytes: LMDB 1.0 pads an odd key before its data (1 in 8 here)
+                key = _KEY(i) + b"P" if i % 8 == 1 else _KEY(i)
+                txn.put(key, _value_for(i, rng) if i % 3 else b"x" * (i % 40), db=db)
         with env.begin() as txn:
             assert txn.stat(db)["depth"] >= 3
         found = _located(env, env_path)
-        assert len(found) == 40_000
+        assert len(found) == 40_000 and sum(len(k) == 9 for k in found) > 1000
     finally:
         env.close()
 
 
 @needs_core
-def test_locate_after_deletes_and_growth(env_path: str) -> None:
+def test_locate_after_deletes_and_growth(env_path: str, engine: int) -> None:
     """After deletes, several commits and map growth (the map moves) every key is still found with py-lmdb's bytes."""
     rng = random.Random(6)
-    env = lmdb.open(env_path, max_dbs=4, map_size=1 << 20, readahead=False)
+    env = open_env(env_path, engine, max_dbs=4, map_size=1 << 20, readahead=False)
     try:
         db = env.open_db(b"samples")
         for round_ in range(6):
@@ -221,26 +255,35 @@ def test_locate_after_deletes_and_growth(env_path: str) -> None:
 
 
 @needs_core
-def test_open_tree_needs_the_snapshots_meta(env_path: str) -> None:
-    """A transaction whose meta page was reused (two commits since) gets RETRY; an unknown database NOTFOUND."""
-    env = lmdb.open(env_path, max_dbs=4, map_size=1 << 22)
+def test_open_tree_needs_the_snapshots_meta(env_path: str, engine: int) -> None:
+    """A transaction whose meta page was reused (two commits since) gets RETRY; an unknown database NOTFOUND; the other
+    engine's layout finds no sound meta page (never a misread tree); a layout nobody named is refused."""
+    env = open_env(env_path, engine, max_dbs=4, map_size=1 << 22)
     try:
         db = env.open_db(b"samples")
-        guard = MapGuard(os.path.join(env_path, "data.mdb"), 4096)
+        layout = layout_of(env)
+        header, name, other = layout.header, layout.db_key(b"samples"), 40 - layout.header  # 16 <-> 24
+        guard = MapGuard(os.path.join(env_path, "data.mdb"), 4096, header)
         with env.begin(buffers=True) as old:
             for i in range(2):
                 with env.begin(write=True) as txn:
                     txn.put(_KEY(i), b"v", db=db)
             guard.refresh()  # the file grew: pages past the old length are not read
             base, length, _ = guard.mapping()
-            assert core.open_tree(base, length, 4096, old.id(), b"samples")[0] == _native.RETRY
+            assert core.open_tree(base, length, 4096, header, old.id(), name)[0] == _native.RETRY
         with env.begin(buffers=True) as txn:
-            assert core.open_tree(base, length, 4096, txn.id(), b"samples")[0] == 0
-            assert core.open_tree(base, length, 4096, txn.id(), b"nothere")[0] == _native.NOTFOUND
+            assert core.open_tree(base, length, 4096, header, txn.id(), name)[0] == 0
+            assert core.open_tree(base, length, 4096, header, txn.id(), b"nothere")[0] == _native.NOTFOUND
+            code = core.open_tree(base, length, 4096, other, txn.id(), name)[0]
+            assert _native.reason(code) == "no sound meta page holds its snapshot"
+            assert core.newest_txnid(base, length, 4096, header) == txn.id()
             with pytest.raises(ValueError):
-                core.open_tree(0, length, 4096, txn.id(), b"samples")
+                core.open_tree(0, length, 4096, header, txn.id(), name)
             with pytest.raises(ValueError):
-                core.open_tree(base, length, 1000, txn.id(), b"samples")
+                core.open_tree(base, length, 1000, header, txn.id(), name)
+            for wrong in (0, 8, 20, 32):
+                with pytest.raises(ValueError, match="page header"):
+                    core.open_tree(base, length, 4096, wrong, txn.id(), name)
     finally:
         env.close()
 
@@ -249,11 +292,12 @@ _DAMAGE_CHILD = r"""
 import ctypes, os, random, shutil, struct, sys
 import lmdb
 from lmdbcache import _native
+from lmdbcache.store._engine import layout_of
 from lmdbcache.store._guard import MapGuard
 core = _native.core
 src, work, first, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 data = open(os.path.join(src, "data.mdb"), "rb").read()
-keys = [struct.pack(">Q", i) for i in range(3000)]
+keys = [struct.pack(">Q", i) + b"P" * (i % 5 == 1) for i in range(3000)]
 seen = {}
 for seed in range(first, first + count):
     rng = random.Random(seed)
@@ -267,14 +311,15 @@ for seed in range(first, first + count):
     os.makedirs(work, exist_ok=True)
     open(os.path.join(work, "data.mdb"), "wb").write(bad)
     print(seed, flush=True)
-    env = lmdb.open(work, max_dbs=4, readonly=True, lock=False)
-    base, length, _ = MapGuard(os.path.join(work, "data.mdb"), 4096).mapping()
+    env = lmdb.open(work, max_dbs=4, readonly=True, lock=False)  # the engine of the file's format
+    layout = layout_of(env)
+    base, length, _ = MapGuard(os.path.join(work, "data.mdb"), 4096, layout.header).mapping()
     with env.begin(buffers=True) as txn:
-        code, root, depth = core.open_tree(base, length, 4096, txn.id(), b"samples")
+        code, root, depth = core.open_tree(base, length, 4096, layout.header, txn.id(), layout.db_key(b"samples"))
         seen[code] = seen.get(code, 0) + 1
         if code == 0:
             for key in keys:
-                code, offset, size = core.locate(base, length, 4096, root, depth, key)
+                code, offset, size = core.locate(base, length, 4096, layout.header, root, depth, key)
                 seen[code] = seen.get(code, 0) + 1
                 if code == 0:
                     assert offset + size <= length
@@ -286,14 +331,14 @@ print("codes", sorted(seen.items()))
 
 
 @needs_core
-def test_damaged_files_never_crash_the_reader(env_path: str, tmp_path: Any) -> None:
+def test_damaged_files_never_crash_the_reader(env_path: str, tmp_path: Any, engine: int) -> None:
     """Random damage to tree pages gives error codes or in-file spans, never a crash (a child process per run)."""
     rng = random.Random(7)
-    env = lmdb.open(env_path, max_dbs=4, map_size=1 << 26)
+    env = open_env(env_path, engine, max_dbs=4, map_size=1 << 26)
     db = env.open_db(b"samples")
     with env.begin(write=True) as txn:
         for i in range(3000):
-            txn.put(_KEY(i), _value_for(i, rng), db=db)
+            txn.put(_KEY(i) + b"P" * (i % 5 == 1), _value_for(i, rng), db=db)  # odd keys too: 1.0 pads them
     env.close()
     out = subprocess.run(
         [sys.executable, "-c", _DAMAGE_CHILD, env_path, str(tmp_path / "bad"), "0", "150"],
@@ -308,34 +353,36 @@ def test_damaged_files_never_crash_the_reader(env_path: str, tmp_path: Any) -> N
 
 
 @needs_core
-def test_locate_batch_equals_locate_cold_and_warm(env_path: str) -> None:
+def test_locate_batch_equals_locate_cold_and_warm(env_path: str, engine: int) -> None:
     """locate_batch finds what locate finds, with the cold-value advice on (file pages dropped first) and off."""
     rng = random.Random(9)
-    env = lmdb.open(env_path, max_dbs=4, map_size=1 << 26, readahead=False)
+    env = open_env(env_path, engine, max_dbs=4, map_size=1 << 26, readahead=False)
     try:
         db = env.open_db(b"samples")
         with env.begin(write=True) as txn:
             for i in range(600):
                 txn.put(_KEY(i), _value_for(i, rng), db=db)
-        base, length, _ = MapGuard(os.path.join(env_path, "data.mdb"), 4096).mapping()
+        base, length, h = _mapping(env, env_path)
         indices = rng.sample(range(600), 600)
         with env.begin(buffers=True) as txn:
-            code, root, depth = core.open_tree(base, length, 4096, txn.id(), b"samples")
+            code, root, depth = core.open_tree(base, length, 4096, h, txn.id(), layout_of(env).db_key(b"samples"))
             assert code == 0
-            want = [core.locate(base, length, 4096, root, depth, _KEY(i))[1:] for i in indices]
+            want = [core.locate(base, length, 4096, h, root, depth, _KEY(i))[1:] for i in indices]
             fd = os.open(os.path.join(env_path, "data.mdb"), os.O_RDONLY)
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold: the advice is given
             finally:
                 os.close(fd)
             for advise in (16384, 0):
-                code, k, blob = core.locate_batch(base, length, 4096, root, depth, indices, 0, 600, None, False, advise)
+                code, k, blob = core.locate_batch(
+                    base, length, 4096, h, root, depth, indices, 0, 600, None, False, advise
+                )
                 assert code == 0
                 got = [struct.unpack_from("<QQQB", blob, 32 * j) for j in range(len(indices))]
                 assert [(o, s) for o, s, _, _ in got] == want
                 assert [i for _, _, i, _ in got] == indices and all(check for *_, check in got)
                 assert all(ctypes.string_at(base + o, s) == bytes(txn.get(_KEY(i), db=db)) for o, s, i, _ in got)
-            code, k, _ = core.locate_batch(base, length, 4096, root, depth, [5, 10**6], 0, 600, None, False)
+            code, k, _ = core.locate_batch(base, length, 4096, h, root, depth, [5, 10**6], 0, 600, None, False)
             assert (code, k) == (_native.NOTFOUND, 1)
     finally:
         env.close()

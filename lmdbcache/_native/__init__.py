@@ -10,18 +10,19 @@ path (the reference: every native result is tested against it) is one switch awa
   Python) gives one ``LmdbCacheWarning`` naming the rebuild command, then the same path.
 
 The core reads LMDB's file itself (``open_tree``, ``locate``): the snapshot of a py-lmdb read
-transaction is found from the meta page whose txnid is the transaction's (``txn.id()``), then
-its tree is walked with every page, node, key and value checked against the mapped length
-(from ``MapGuard.mapping``: the address comes from /proc/self/maps when the map moves, never
-per read; py-lmdb's ``env.info()["map_addr"]`` is 0 unless the map is fixed). What breaks it:
-another LMDB data format (0.9's has not changed since 2011; ``open_tree`` checks the magic and
-version), a big-endian machine (the Python side keeps the native path off there, as the guard
-does). One window it cannot see: a writer two commits on rewrites the meta page in place, and
-a copy of the root made while those 48 bytes are half written, with the txnid not yet changed,
-would read a newer snapshot; its pages are all still held by this reader (LMDB frees only
-pages no reader can see), so every read stays inside sound pages, and every value read is
-still checked against its index's checksums. It needs two commits within the life of a kept
-read transaction (at most ``_read._READER_MAX_AGE``) and the copy to fall inside the second
+transaction is found from the meta page whose txnid is the transaction's (``txn.id()``), then its
+tree is walked with every page, node, key and value checked against the mapped length (from
+``MapGuard.mapping``: the address comes from /proc/self/maps when the map moves, never per read;
+py-lmdb's ``env.info()["map_addr"]`` is 0 unless the map is fixed), in the page layout of the engine
+py-lmdb opened the file with (LMDB 0.9's or 1.0's: ``store/_engine.py`` asks the environment;
+``open_tree`` checks the meta page's magic and version agree). What breaks it: another LMDB data
+format (the core is then off, as ``_engine`` warns), a big-endian machine (the Python side keeps the
+native path off there, as the guard does). One window it cannot see: a writer two commits on
+rewrites the meta page in place, and a copy of the root made while those 48 bytes are half written,
+with the txnid not yet changed, would read a newer snapshot; its pages are all still held by this
+reader (LMDB frees only pages no reader can see), so every read stays inside sound pages, and every
+value read is still checked against its index's checksums. It needs two commits within the life of a
+kept read transaction (at most ``_read._READER_MAX_AGE``) and the copy to fall inside the second
 one's write of the meta page.
 
 May import: ``lmdbcache.errors`` only.

@@ -541,22 +541,35 @@ static PyObject *py_xxh3_64_copy(PyObject *self, PyObject *const *args, Py_ssize
 /* ------------------------------------------------------------------------------------------
  * Reading one LMDB snapshot straight from the map, every byte range checked first.
  *
- * The layout is LMDB 0.9's (mdb.c; data format version 1, unchanged since 2011), little-endian
- * 64-bit builds; all of it read from the file, so all of it untrusted:
+ * The layout is LMDB 0.9's (mdb.c; data format version 1, unchanged since 2011) or LMDB 1.0's (data format 3),
+ * little-endian 64-bit builds; all of it read from the file, so all of it untrusted. Which one a file has is named
+ * by the caller (``header``: the engine py-lmdb opened it with, lmdbcache/store/_engine.py); the meta page must
+ * agree (its version). With H the page header's size and B where a page's offsets count from:
  *
- *   page header (16 bytes)  u64 pgno; u16 pad; u16 flags; u16 lower, u16 upper (free space bounds),
- *                           or u32 pages (overflow pages); then u16 node offsets, (lower - 16) / 2 of them
+ *                           LMDB 0.9                          LMDB 1.0
+ *   page header             H = 16: u64 pgno; u16 pad;        H = 24: u64 pgno; u64 txnid; then the same
+ *                           u16 flags; u16 lower, u16 upper   (lower, upper: free space bounds; or u32 pages
+ *                                                             of an overflow page)
+ *   offsets (lower, upper,  from the page's start (B = 0):    from the header's end (B = H): lower / 2
+ *   the u16 node offsets    (lower - 16) / 2 nodes            nodes, node i at p + H + offset i
+ *   after the header)
+ *   a leaf's data           right after the key               after the key padded to an even length
+ *   F_BIGDATA data          u64 overflow page number          MDB_ovpage: u64 page number, u64 txnid,
+ *                                                             u64 pages (24 bytes)
+ *   a named database's key  its name                          its name and a NUL (the caller's name has it)
+ *
+ * The same in both:
  *   node (8 bytes + key)    u16 lo, u16 hi, u16 flags, u16 ksize; key; then the data (leaf) -- a branch
  *                           node's child page number is lo | hi << 16 | flags << 32, a leaf's data size
- *                           lo | hi << 16; F_BIGDATA: the data is a u64 overflow page number, the value
- *                           on that page after its header; F_SUBDATA: the data is a named database's MDB_db
+ *                           lo | hi << 16; F_BIGDATA: the value lies on the overflow page after its header;
+ *                           F_SUBDATA: the data is a named database's MDB_db
  *   MDB_db (48 bytes)       u32 pad; u16 flags; u16 depth; u64 branch, leaf, overflow pages; u64 entries;
  *                           u64 root (~0: empty)
- *   meta page (pages 0, 1)  header; u32 magic 0xBEEFC0DE; u32 version 1; u64 address; u64 mapsize;
- *                           MDB_db free, main; u64 last page; u64 txnid (at byte 144)
+ *   meta page (pages 0, 1)  header; u32 magic 0xBEEFC0DE; u32 version (1 or 3); u64 address; u64 mapsize;
+ *                           MDB_db free, main (at byte H + 72); u64 last page; u64 txnid (at byte H + 128)
  *
- * A named database is a record of the main database (key: its name; F_SUBDATA). Keys compare as
- * LMDB's default: bytes, then length. A failed check returns an LK_* code and touches nothing beyond.
+ * A named database is a record of the main database (F_SUBDATA). Keys compare as LMDB's default: bytes, then
+ * length. A failed check returns an LK_* code and touches nothing beyond.
  */
 
 enum {
@@ -574,7 +587,8 @@ enum {
     LK_DB = 24,       /* the named database's record is not a database LMDB would open */
 };
 
-#define PAGE_HEADER 16
+#define HEADER_09 16 /* LMDB 0.9's page header; data format 1 */
+#define HEADER_10 24 /* LMDB 1.0's (a u64 txnid after the page number); data format 3 */
 #define P_BRANCH 0x01
 #define P_LEAF 0x02
 #define P_OVERFLOW 0x04
@@ -590,13 +604,27 @@ enum {
 
 static inline uint16_t le16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
 
-/* The mapped file as far as it may be read: [base, base + len), pages of psize bytes. */
+/* The mapped file as far as it may be read: [base, base + len), pages of psize bytes in the layout of ``hdr``. */
 typedef struct {
     const uint8_t *base;
     uint64_t len;
     uint64_t psize;
     uint64_t npages; /* whole pages in len */
+    uint64_t hdr;    /* H: HEADER_09 or HEADER_10 (map_pages); 0: a map of spans only (map_from), no page parsed */
+    uint64_t pbase;  /* B: 0 (0.9) or H (1.0) */
+    uint64_t ovp;    /* F_BIGDATA data: 8 bytes (0.9) or 24 (1.0) */
+    int even;        /* 1.0: a leaf's data follows its key padded to an even length */
 } Map;
+
+/* A page's flags: the u16 before lower and upper, the header's last 4 bytes. */
+static inline uint16_t page_flags(const Map *m, const uint8_t *p) { return le16(p + m->hdr - 6); }
+
+/* Where the data of leaf node ``nd`` of page ``p`` starts, from the page's start (its key checked inside the page by
+ * node_at: the result is at most psize + 1). */
+static inline uint64_t node_data(const Map *m, const uint8_t *p, const uint8_t *nd) {
+    uint64_t ks = le16(nd + 6);
+    return (uint64_t)(nd - p) + 8 + (m->even ? (ks + 1) & ~1ULL : ks);
+}
 
 /* A page of the tree: ``p`` points at it once its number and header are checked. */
 static int page_at(const Map *m, uint64_t pgno, const uint8_t **out) {
@@ -608,23 +636,23 @@ static int page_at(const Map *m, uint64_t pgno, const uint8_t **out) {
 }
 
 /* The number of nodes of a branch or leaf page: its pointer array must lie inside the page. Only what a
- * read needs is checked, as LMDB reads (NUMKEYS is (lower - header) / 2; ``upper`` is free-space
+ * read needs is checked, as LMDB reads (NUMKEYS is (B + lower - H) / 2; ``upper`` is free-space
  * bookkeeping a read never uses): a file LMDB and the Python path read must read here too (the attack). */
 static int page_keys(const Map *m, const uint8_t *p, unsigned *n) {
-    unsigned lower = le16(p + 12);
-    if (lower < PAGE_HEADER || lower > m->psize) return LK_HEADER;
-    *n = (lower - PAGE_HEADER) / 2;
+    uint64_t lower = le16(p + m->hdr - 4);
+    if (lower + m->pbase < m->hdr || lower + m->pbase > m->psize) return LK_HEADER; /* the offsets inside the page */
+    *n = (unsigned)((lower + m->pbase - m->hdr) / 2);
     return LK_OK;
 }
 
 /* Node ``i`` of page ``p`` (i < its key count) and its key, checked to lie within the page. */
 static int node_at(const Map *m, const uint8_t *p, unsigned i, const uint8_t **node, const uint8_t **key,
                    unsigned *ksize) {
-    unsigned off = le16(p + PAGE_HEADER + 2 * i);
-    if ((uint64_t)off + 8 > m->psize) return LK_NODE; /* the node's header inside the page */
+    uint64_t off = le16(p + m->hdr + 2 * i) + m->pbase; /* i < page_keys' n: the offset lies inside the page */
+    if (off + 8 > m->psize) return LK_NODE; /* the node's header inside the page */
     const uint8_t *nd = p + off;
     unsigned ks = le16(nd + 6);
-    if ((uint64_t)off + 8 + ks > m->psize) return LK_KEY;
+    if (off + 8 + ks > m->psize) return LK_KEY;
     *node = nd;
     *key = nd + 8;
     *ksize = ks;
@@ -655,7 +683,7 @@ static int tree_find(const Map *m, uint64_t root, unsigned depth, const uint8_t 
         unsigned n, ks;
         int rc = page_at(m, pgno, &p);
         if (rc) return rc;
-        uint16_t flags = le16(p + 10);
+        uint16_t flags = page_flags(m, p);
         if ((rc = page_keys(m, p, &n))) return rc;
         if (flags & P_BRANCH) {
             /* A branch: the last node whose key is <= key (node 0's key stands for "anything lower"). */
@@ -710,10 +738,10 @@ static int leaf_value_lazy(const Map *m, const uint8_t *p, const uint8_t *nd, ui
                            int *unchecked) {
     uint16_t flags = le16(nd + 4);
     uint64_t sz = (uint64_t)le16(nd) | (uint64_t)le16(nd + 2) << 16;
-    uint64_t data = (uint64_t)(nd - p) + 8 + le16(nd + 6); /* in the page, checked <= psize by node_at */
+    uint64_t data = node_data(m, p, nd); /* at most psize + 1 (node_at) */
     if (flags & (F_SUBDATA | F_DUPDATA)) return LK_DATA;
     if (flags & F_BIGDATA) {
-        if (data + 8 > m->psize) return LK_DATA;
+        if (data + m->ovp > m->psize) return LK_DATA; /* the page number (1.0: all of MDB_ovpage) inside the page */
         uint64_t pgno = le64(p + data);
         const uint8_t *ov;
         if (unchecked != NULL) {
@@ -726,8 +754,8 @@ static int leaf_value_lazy(const Map *m, const uint8_t *p, const uint8_t *nd, ui
         }
         /* The value must lie inside the mapped file. Its page count (mp_pages) is not relied on: LMDB's read
          * does not use it either, and a file the Python path reads must read here too. */
-        if (sz > m->len - (pgno * m->psize + PAGE_HEADER)) return LK_OVERFLOW;
-        *offset = pgno * m->psize + PAGE_HEADER;
+        if (sz > m->len - (pgno * m->psize + m->hdr)) return LK_OVERFLOW;
+        *offset = pgno * m->psize + m->hdr;
         *size = sz;
         return LK_OK;
     }
@@ -740,7 +768,7 @@ static int leaf_value_lazy(const Map *m, const uint8_t *p, const uint8_t *nd, ui
 /* The check leaf_value_lazy left to the reader: the overflow page of the value at ``offset`` (its page's start
  * plus the header, below m->len) carries its own number (page_at's second check, worded as leaf_value words it). */
 static inline int overflow_header(const Map *m, uint64_t offset) {
-    uint64_t start = offset - PAGE_HEADER;
+    uint64_t start = offset - m->hdr;
     return le64(m->base + start) == start / m->psize ? LK_OK : LK_HEADER;
 }
 
@@ -754,15 +782,17 @@ typedef struct {
 static int open_tree(const Map *m, uint64_t txnid, const uint8_t *name, size_t nlen, Tree *out) {
     if (m->npages < 2) return LK_META;
     const uint8_t *meta = m->base + (txnid & 1) * m->psize; /* LMDB writes txn t's meta to page t & 1 */
-    const volatile uint8_t *vtx = meta + 144;
-    if (le32(meta + 16) != 0xBEEFC0DEU || le32(meta + 20) != 1 || !(le16(meta + 10) & P_META)) return LK_META;
+    const uint8_t *mm = meta + m->hdr; /* MDB_meta, after the page header */
+    const volatile uint8_t *vtx = mm + 128;
+    if (le32(mm) != 0xBEEFC0DEU || le32(mm + 4) != (m->hdr == HEADER_10 ? 3 : 1) || !(page_flags(m, meta) & P_META))
+        return LK_META; /* psize >= 512 holds the header and all of MDB_meta */
     /* Seqlock-style: a writer two commits on rewrites this page in place; a txnid read equal before and
      * after the copy means the copy is this snapshot's (see the docstring of lmdbcache/_native/__init__.py
      * for the one window this cannot see). */
     uint64_t before = le64((const uint8_t *)vtx);
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    uint64_t root = le64(meta + 88 + 40);
-    unsigned depth = le16(meta + 88 + 6);
+    uint64_t root = le64(mm + 72 + 40); /* the main database's MDB_db: md_root, md_depth */
+    unsigned depth = le16(mm + 72 + 6);
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
     uint64_t after = le64((const uint8_t *)vtx);
     if (before != txnid || after != txnid) return LK_RETRY;
@@ -770,7 +800,7 @@ static int open_tree(const Map *m, uint64_t txnid, const uint8_t *name, size_t n
     int rc = tree_find(m, root, depth, name, nlen, &p, &nd);
     if (rc) return rc;
     uint16_t flags = le16(nd + 4);
-    uint64_t data = (uint64_t)(nd - p) + 8 + le16(nd + 6);
+    uint64_t data = node_data(m, p, nd);
     uint64_t size = (uint64_t)le16(nd) | (uint64_t)le16(nd + 2) << 16;
     if (!(flags & F_SUBDATA) || (flags & F_BIGDATA) || size != MDB_DB_SIZE || data + MDB_DB_SIZE > m->psize)
         return LK_DB;
@@ -785,7 +815,8 @@ static int open_tree(const Map *m, uint64_t txnid, const uint8_t *name, size_t n
     return LK_OK;
 }
 
-/* The Map of a (base address, usable length, page size) triple from Python, or -1 with an exception set. */
+/* The Map of a (base address, usable length, page size) triple from Python, or -1 with an exception set: a map of
+ * spans only (the batch copy's), whose pages are never parsed (hdr 0). */
 static int map_from(Map *m, unsigned long long base, unsigned long long len, unsigned long long psize) {
     if (base == 0 || psize < 512 || psize > 65536 || (psize & (psize - 1))) {
         PyErr_SetString(PyExc_ValueError, "a mapping needs a base address and a power-of-two page size");
@@ -795,23 +826,45 @@ static int map_from(Map *m, unsigned long long base, unsigned long long len, uns
     m->len = len;
     m->psize = psize;
     m->npages = len / psize;
+    m->hdr = m->pbase = m->ovp = 0;
+    m->even = 0;
+    return 0;
+}
+
+/* map_from for a map whose pages are read, with the page header size ``hdr`` of the file's LMDB (HEADER_09 or
+ * HEADER_10: the Python side asks the environment's engine, lmdbcache/store/_engine.py), or -1 with an exception
+ * set. Any other value is refused: a page is never parsed in a layout nobody named. */
+static int map_pages(Map *m, unsigned long long base, unsigned long long len, unsigned long long psize,
+                     unsigned long long hdr) {
+    if (hdr != HEADER_09 && hdr != HEADER_10) {
+        PyErr_Format(PyExc_ValueError, "a page header is %d (LMDB 0.9) or %d (LMDB 1.0) bytes, not %llu", HEADER_09,
+                     HEADER_10, hdr);
+        return -1;
+    }
+    if (map_from(m, base, len, psize) < 0) return -1;
+    int v10 = hdr == HEADER_10;
+    m->hdr = hdr;
+    m->pbase = v10 ? HEADER_10 : 0;
+    m->ovp = v10 ? 24 : 8;
+    m->even = v10;
     return 0;
 }
 
 PyDoc_STRVAR(py_open_tree_doc,
-             "open_tree(base, length, psize, txnid, name, /) -> (code, root, depth)\n\n"
-             "The root page and depth of the named database ``name`` in the snapshot of the read transaction\n"
-             "``txnid``, read from the file mapped at ``base`` (``length`` bytes of it readable, pages of\n"
-             "``psize``). ``code`` is 0, NOTFOUND (no such database), RETRY (the snapshot's meta page was\n"
-             "reused: begin a new transaction) or an error code (see CODES).");
+             "open_tree(base, length, psize, header, txnid, name, /) -> (code, root, depth)\n\n"
+             "The root page and depth of the named database ``name`` (its main-database key: under LMDB 1.0\n"
+             "with a NUL) in the snapshot of the read transaction ``txnid``, read from the file mapped at\n"
+             "``base`` (``length`` bytes of it readable, pages of ``psize`` with ``header``-byte headers: 16 for\n"
+             "LMDB 0.9's format, 24 for 1.0's). ``code`` is 0, NOTFOUND (no such database), RETRY (the\n"
+             "snapshot's meta page was reused: begin a new transaction) or an error code (see CODES).");
 
 static PyObject *py_open_tree(PyObject *self, PyObject *args) {
-    unsigned long long base, len, psize, txnid;
+    unsigned long long base, len, psize, hdr, txnid;
     Py_buffer name;
     Map m;
     Tree t = {NO_ROOT, 0, 0};
-    if (!PyArg_ParseTuple(args, "KKKKy*:open_tree", &base, &len, &psize, &txnid, &name)) return NULL;
-    if (map_from(&m, base, len, psize) < 0) {
+    if (!PyArg_ParseTuple(args, "KKKKKy*:open_tree", &base, &len, &psize, &hdr, &txnid, &name)) return NULL;
+    if (map_pages(&m, base, len, psize, hdr) < 0) {
         PyBuffer_Release(&name);
         return NULL;
     }
@@ -821,37 +874,38 @@ static PyObject *py_open_tree(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(py_newest_txnid_doc,
-             "newest_txnid(base, length, psize, /) -> int\n\n"
+             "newest_txnid(base, length, psize, header, /) -> int\n\n"
              "The newest committed transaction id of the file mapped at ``base``: the larger txnid of its two\n"
              "meta pages (0 if the map is too short to hold them). A read transaction whose id this is sees\n"
              "every commit made so far, so a key it does not find is not stored (the dataset's misses).");
 
 static PyObject *py_newest_txnid(PyObject *self, PyObject *args) {
-    unsigned long long base, len, psize;
+    unsigned long long base, len, psize, hdr;
     Map m;
-    if (!PyArg_ParseTuple(args, "KKK:newest_txnid", &base, &len, &psize)) return NULL;
-    if (map_from(&m, base, len, psize) < 0) return NULL;
-    if (m.len < m.psize + 152) return PyLong_FromLong(0); /* both meta pages' txnid (byte 144) must lie inside */
+    if (!PyArg_ParseTuple(args, "KKKK:newest_txnid", &base, &len, &psize, &hdr)) return NULL;
+    if (map_pages(&m, base, len, psize, hdr) < 0) return NULL;
+    uint64_t at = m.hdr + 128; /* the meta page's txnid: byte 144 (0.9) or 152 (1.0) */
+    if (m.len < m.psize + at + 8) return PyLong_FromLong(0); /* both meta pages' txnid must lie inside */
     /* A writer may be rewriting the older page: a torn value is larger than ours or not, and either way a
        wrong answer only makes a miss look again in a new transaction, or (a value equal to ours, torn from
        a newer one: not possible, the newer id is larger in its high bytes or equal in all) nothing. */
-    uint64_t a = le64(m.base + 144), b = le64(m.base + m.psize + 144);
+    uint64_t a = le64(m.base + at), b = le64(m.base + m.psize + at);
     return PyLong_FromUnsignedLongLong(a > b ? a : b);
 }
 
 PyDoc_STRVAR(py_locate_doc,
-             "locate(base, length, psize, root, depth, key, /) -> (code, offset, size)\n\n"
+             "locate(base, length, psize, header, root, depth, key, /) -> (code, offset, size)\n\n"
              "Where the value of ``key`` lies in the mapped file (offset from ``base``), in the tree of\n"
              "``root`` and ``depth`` (open_tree): code 0, NOTFOUND or an error code; nothing outside\n"
              "[base, base + length) is read.");
 
 static PyObject *py_locate(PyObject *self, PyObject *args) {
-    unsigned long long base, len, psize, root;
+    unsigned long long base, len, psize, hdr, root;
     unsigned int depth;
     Py_buffer key;
     Map m;
-    if (!PyArg_ParseTuple(args, "KKKKIy*:locate", &base, &len, &psize, &root, &depth, &key)) return NULL;
-    if (map_from(&m, base, len, psize) < 0) {
+    if (!PyArg_ParseTuple(args, "KKKKKIy*:locate", &base, &len, &psize, &hdr, &root, &depth, &key)) return NULL;
+    if (map_pages(&m, base, len, psize, hdr) < 0) {
         PyBuffer_Release(&key);
         return NULL;
     }
@@ -1093,7 +1147,7 @@ static Loc *table_build(const Map *m, uint64_t root, unsigned depth, uint64_t pa
         const uint8_t *p, *nd, *k;
         unsigned n, ks;
         if (++visits > m->npages || page_at(m, pgno, &p) || page_keys(m, p, &n)) goto fail;
-        uint16_t flags = le16(p + 10);
+        uint16_t flags = page_flags(m, p);
         if (flags & P_BRANCH) {
             if ((flags & (P_LEAF | P_LEAF2 | P_OVERFLOW | P_META)) || n == 0 || top + 1 >= MAX_DEPTH) goto fail;
             stack[top] = (Frame){p, 0, n, parent.lo, parent.hi, parent.lolen, parent.hilen};
@@ -1133,8 +1187,8 @@ fail:
 }
 
 PyDoc_STRVAR(py_locate_batch_doc,
-             "locate_batch(base, length, psize, root, depth, indices, pack, dataset_length, verified, always,\n"
-             "             advise_min=0, /) -> (code, k, spans)\n\n"
+             "locate_batch(base, length, psize, header, root, depth, indices, pack, dataset_length, verified,\n"
+             "             always, advise_min=0, /) -> (code, k, spans)\n\n"
              "Locate every index of ``indices`` (a list of ints) as locate() does, in a pack of ``pack`` values\n"
              "when its single record is absent (pack > 0). ``spans`` is a bytearray of 32-byte records (u64\n"
              "offset, u64 size, u64 index, u8 check): check is set where the data checksum must be verified\n"
@@ -1143,7 +1197,7 @@ PyDoc_STRVAR(py_locate_batch_doc,
              "(0: none) whose first page is not in memory is announced to the kernel before it is read.");
 
 PyDoc_STRVAR(py_locate_index_doc,
-             "locate_index(base, length, psize, root, depth, index, pack, dataset_length, advise_min, /)\n"
+             "locate_index(base, length, psize, header, root, depth, index, pack, dataset_length, advise_min, /)\n"
              "    -> (code, offset, size)\n\n"
              "One index located as locate_batch locates each of a batch (its chunk's pack first when pack > 0,\n"
              "then its single record), for a single read (``ds[i]``): code 0, NOTFOUND or an error code, and\n"
@@ -1160,19 +1214,19 @@ static int u64_arg(PyObject *arg, uint64_t *out) {
 }
 
 static PyObject *py_locate_index(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    uint64_t a[9]; /* base, length, psize, root, depth, index, pack, dataset_length, advise_min */
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "locate_index() takes exactly 9 arguments");
+    uint64_t a[10]; /* base, length, psize, header, root, depth, index, pack, dataset_length, advise_min */
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "locate_index() takes exactly 10 arguments");
         return NULL;
     }
-    for (int i = 0; i < 9; i++)
+    for (int i = 0; i < 10; i++)
         if (u64_arg(args[i], &a[i]) < 0) return NULL;
     Map m;
-    if (a[4] > MAX_DEPTH) a[4] = MAX_DEPTH + 1; /* tree_find refuses it (LK_TREE) */
-    if (map_from(&m, a[0], a[1], a[2]) < 0) return NULL;
+    if (a[5] > MAX_DEPTH) a[5] = MAX_DEPTH + 1; /* tree_find refuses it (LK_TREE) */
+    if (map_pages(&m, a[0], a[1], a[2], a[3]) < 0) return NULL;
     uint64_t offset = 0, size = 0;
-    int rc = locate_index(&m, a[3], (unsigned)a[4], NULL, a[5], a[6], a[7], &offset, &size);
-    if (rc == LK_OK && a[8] && size >= a[8]) advise_if_cold(&m, offset, size);
+    int rc = locate_index(&m, a[4], (unsigned)a[5], NULL, a[6], a[7], a[8], &offset, &size);
+    if (rc == LK_OK && a[9] && size >= a[9]) advise_if_cold(&m, offset, size);
     PyObject *out = PyTuple_New(3);
     if (out == NULL) return NULL;
     PyObject *items[3] = {PyLong_FromLong(rc), PyLong_FromUnsignedLongLong(offset), PyLong_FromUnsignedLongLong(size)};
@@ -1242,7 +1296,7 @@ static int tree_locate(TreeObject *t, uint64_t index, uint64_t *offset, uint64_t
         if (e.size & LOC_SLOT) {
             uint64_t len = sz & SLOT_MAX, start = sz >> SLOT_BITS & SLOT_MAX;
             /* Checked when entered (pack_value): again, as any entry; the pack's record starts at e.offset - start */
-            if (len > t->m.len || e.offset > t->m.len - len || e.offset < PAGE_HEADER + start) return LK_OVERFLOW;
+            if (len > t->m.len || e.offset > t->m.len - len || e.offset < t->m.hdr + start) return LK_OVERFLOW;
             *offset = e.offset;
             *size = len;
             return LK_OK;
@@ -1273,17 +1327,18 @@ static void tree_dealloc(PyObject *self) {
 }
 
 static PyObject *tree_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    unsigned long long base, len, psize, root, pack, length, advise_min;
+    unsigned long long base, len, psize, hdr, root, pack, length, advise_min;
     unsigned int depth;
     if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
         PyErr_SetString(PyExc_TypeError, "Tree() takes no keyword arguments");
         return NULL;
     }
-    if (!PyArg_ParseTuple(args, "KKKKIKKK:Tree", &base, &len, &psize, &root, &depth, &pack, &length, &advise_min))
+    if (!PyArg_ParseTuple(args, "KKKKKIKKK:Tree", &base, &len, &psize, &hdr, &root, &depth, &pack, &length,
+                          &advise_min))
         return NULL;
     TreeObject *t = (TreeObject *)type->tp_alloc(type, 0);
     if (t == NULL) return NULL;
-    if (map_from(&t->m, base, len, psize) < 0) {
+    if (map_pages(&t->m, base, len, psize, hdr) < 0) {
         Py_DECREF(t);
         return NULL;
     }
@@ -1358,17 +1413,17 @@ static PyObject *batch_spans(TreeObject *t, PyObject *indices, PyObject *verifie
 }
 
 static PyObject *py_locate_batch(PyObject *self, PyObject *args) {
-    unsigned long long base, len, psize, root, pack, length;
+    unsigned long long base, len, psize, hdr, root, pack, length;
     unsigned int depth;
     unsigned long long advise_min = 0;
     PyObject *indices, *verified;
     int always;
-    if (!PyArg_ParseTuple(args, "KKKKIO!KKOp|K:locate_batch", &base, &len, &psize, &root, &depth, &PyList_Type,
-                          &indices, &pack, &length, &verified, &always, &advise_min))
+    if (!PyArg_ParseTuple(args, "KKKKKIO!KKOp|K:locate_batch", &base, &len, &psize, &hdr, &root, &depth,
+                          &PyList_Type, &indices, &pack, &length, &verified, &always, &advise_min))
         return NULL;
     TreeObject *t = PyMem_Calloc(1, sizeof(TreeObject)); /* not a Python object: only its fields are used */
     if (t == NULL) return PyErr_NoMemory();
-    if (map_from(&t->m, base, len, psize) < 0) {
+    if (map_pages(&t->m, base, len, psize, hdr) < 0) {
         PyMem_Free(t);
         return NULL;
     }
@@ -2026,8 +2081,8 @@ static PyTypeObject TreeType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "lmdbcache._native._core.Tree",
     .tp_basicsize = sizeof(TreeObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Tree(base, length, psize, root, depth, pack, dataset_length, advise_min, /): the samples tree of\n"
-              "one snapshot (open_tree's root and depth) in the file mapped at base, for single reads (value).",
+    .tp_doc = "Tree(base, length, psize, header, root, depth, pack, dataset_length, advise_min, /): the samples\n"
+              "tree of one snapshot (open_tree's root and depth) in the file mapped at base, for single reads (value).",
     .tp_new = tree_new,
     .tp_dealloc = tree_dealloc,
     .tp_methods = tree_methods,
@@ -2436,7 +2491,7 @@ done:
  * The module. */
 
 /* Bumped whenever the Python side's expectations of this module change. */
-#define CORE_VERSION 3
+#define CORE_VERSION 4
 
 static PyMethodDef core_methods[] = {
     {"xxh3_64", (PyCFunction)(void (*)(void))py_xxh3_64, METH_FASTCALL, py_xxh3_64_doc},

@@ -13,13 +13,16 @@ evict useful pages.
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import lmdb
 
 from .._options import MIB
 from ..errors import CorruptCacheError, NotACacheError
+from ._engine import unreadable_engine
 from ._fs import DATA_FILE, check_size
 from ._lmdb_errors import readers_full, translate
 
@@ -75,7 +78,11 @@ def open_env(path: str, *, map_size: int, max_readers: int, readonly: bool) -> t
                 # A read-only mount where lock.mdb cannot be opened for writing: no writer can
                 # exist there, so running without LMDB's lock table is safe.
                 return lmdb.open(path, readonly=True, lock=False, **options), False
-    except lmdb.InvalidError as exc:
+    except (lmdb.InvalidError, lmdb.VersionMismatchError) as exc:
+        if (other := unreadable_engine(os.path.join(path, DATA_FILE), path)) is not None:
+            raise other from exc  # a sound file of the other LMDB line: not "damaged", and never "delete it"
+        if isinstance(exc, lmdb.VersionMismatchError):
+            raise translate(exc, path, "opening") from exc
         raise CorruptCacheError(
             f"'{path}/{DATA_FILE}' is not an LMDB file ({exc}). Delete the directory, or pass overwrite=True "
             "to replace it."
@@ -86,10 +93,13 @@ def open_env(path: str, *, map_size: int, max_readers: int, readonly: bool) -> t
         raise translate(exc, path, "opening") from exc
 
 
-def open_databases(env: lmdb.Environment, path: str, readonly: bool) -> tuple[Any, Any]:
+def open_databases(
+    env: lmdb.Environment, path: str, readonly: bool, db_key: Callable[[bytes], bytes]
+) -> tuple[Any, Any]:
     """The ``samples`` and ``meta`` databases of ``env``, after checking the file is whole and ours.
 
-    Raises ``lmdb.Error`` for the caller to translate (it closes ``env`` first).
+    ``db_key``: the main database's key of a named database in the file's format (``_engine.Layout.db_key``:
+    LMDB 1.0 stores the name with a NUL). Raises ``lmdb.Error`` for the caller to translate (it closes ``env`` first).
     """
     # Before any page beyond the meta pages is touched: a truncated file would SIGBUS.
     psize = env.stat()["psize"]
@@ -104,7 +114,7 @@ def open_databases(env: lmdb.Environment, path: str, readonly: bool) -> tuple[An
             if resized == RESIZE_RETRIES:
                 raise
             env.set_mapsize(0)
-    foreign = sorted(names - {b"meta", b"samples"})
+    foreign = sorted(names - {db_key(b"meta"), db_key(b"samples")})
     if foreign:
         raise NotACacheError(
             f"'{path}' holds an LMDB environment that lmdbcache did not create (its keys include "

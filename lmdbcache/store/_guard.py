@@ -7,22 +7,26 @@ the reading process with SIGBUS (pages past the end of the file) or SIGSEGV (pas
 before Python sees any byte: the fuzz in tests/stress/test_fuzz_file.py found such files.
 
 So a value this process has not verified yet is looked up with a cursor (``set_key`` does not
-touch the value), and its record is checked against the mapped file first. The record layout
-is LMDB 0.9's ``MDB_node`` (mdb.c), fixed since 2011: 8 bytes right before the key::
+touch the value), and its record is checked against the mapped file first. The record is LMDB's
+``MDB_node`` (mdb.c), the same in 0.9 and 1.0: 8 bytes right before the key::
 
     u16 lo, u16 hi      data size = lo | hi << 16 (little-endian machines)
     u16 flags           F_BIGDATA (0x01): the data is on overflow pages
     u16 ksize           key size
     key (ksize bytes), then the data inline, or a u64 overflow page number (F_BIGDATA);
-    an overflow page's data starts after its 16-byte page header.
+    an overflow page's data starts after its page header.
+
+Two details depend on the engine that wrote the file (``_engine``: the environment says which): the page
+header is 16 bytes in LMDB 0.9 and 24 in 1.0, and 1.0 starts the data after the key padded to an even length
+(with F_BIGDATA, a 24-byte ``MDB_ovpage`` whose first u64 is the page number).
 
 The mapping's address comes from /proc/self/maps (refreshed when the map moves: a growth or an
 adopted resize; never per read, on either path: the compiled core's reads take the address, length
 and view ``mapping`` keeps, and only a failed lookup asks for a refresh, which first takes a grown
 file's size with a stat: ``refresh(grown=True)``).
-Where that is unavailable (not Linux) or the layout differs (a big-endian machine,
-or a py-lmdb built with an LMDB other than 0.9: ``layout_known``, which says so once with an
-``LmdbCacheWarning``) the check is skipped, never guessed: reads of a damaged file may then crash.
+Where that is unavailable (not Linux) or the layout is not known (a big-endian machine, or an
+engine other than LMDB 0.9 or 1.0: ``_engine.layout_of`` says so once with an ``LmdbCacheWarning``)
+the check is skipped, never guessed: reads of a damaged file may then crash.
 
 The same header gives the value's span in the map, so a large value is also announced to the
 kernel before it is touched (``madvise(MADV_WILLNEED)`` on that span, which starts its read):
@@ -40,13 +44,9 @@ import os
 import struct
 import sys
 import threading
-import warnings
 from typing import Any
 
-import lmdb
-
 from .. import _native
-from ..errors import LmdbCacheWarning
 
 # A buffer's address and the map's view: the compiled core's own (no ctypes), else _address's (ctypes.pythonapi:
 # see what breaks it there; imported only then, so the core's path never loads it)
@@ -56,12 +56,11 @@ else:
     from ._address import address as _address
     from ._address import view as _view
 
-__all__ = ["MapGuard", "layout_known"]
+__all__ = ["MapGuard"]
 
 _NODE = struct.Struct("<HHHH")
 _PGNO = struct.Struct("<Q")
 _F_BIGDATA = 0x01
-_PAGE_HEADER = 16
 _node = _NODE.unpack_from
 _pgno = _PGNO.unpack_from
 _EMPTY = memoryview(b"")
@@ -81,39 +80,19 @@ def _libc_madvise() -> Any:
 
 
 _madvise = _libc_madvise() if sys.platform.startswith("linux") else None
-_layout_known: bool | None = None  # decided at the first guard of the process (layout_known)
-
-
-def layout_known() -> bool:
-    """Is the LMDB that py-lmdb was built with a 0.9.x, whose record layout this module parses?
-
-    Asked once per process, at the first open of a cache. Otherwise the guard stays off and
-    one ``LmdbCacheWarning`` says what that means (LMDB 1.0 changes the page and node layout).
-    """
-    global _layout_known
-    if _layout_known is None:
-        version = tuple(lmdb.version())
-        _layout_known = version[:2] == (0, 9)
-        if not _layout_known:
-            warnings.warn(
-                f"lmdbcache: py-lmdb {lmdb.__version__} is built with LMDB {'.'.join(map(str, version))}, and the "
-                "bounds check that refuses a damaged record before it is read knows only LMDB 0.9's record layout; "
-                "it is off in this process, so reading a damaged or hostile data.mdb may crash the process "
-                "(SIGBUS or SIGSEGV) instead of raising CorruptSampleError. Install a py-lmdb that bundles LMDB 0.9 "
-                "(the PyPI wheels do; a build with LMDB_FORCE_SYSTEM=1 uses the system's LMDB), or open only caches "
-                "you trust.",
-                LmdbCacheWarning,
-                stacklevel=2,
-            )
-    return _layout_known
 
 
 class MapGuard:
     """Bounds checks for records of one data.mdb mapped in this process."""
 
-    def __init__(self, data_file: str, page_size: int) -> None:
+    def __init__(self, data_file: str, page_size: int, header: int) -> None:
+        """``header``: the page header's size in the file's layout (``_engine.Layout.header``: 16 for LMDB 0.9, 24
+        for 1.0), or 0 when the layout is not known: the guard then stays off."""
         self.data_file = data_file
         self.page_size = page_size
+        self.header = header
+        self._odd = 1 if header == 24 else 0  # LMDB 1.0: an odd-length key is padded by a byte before its data
+        self._pointer = 24 if header == 24 else 8  # an overflow value's pointer: 1.0's MDB_ovpage, 0.9's page number
         self.start = 0  # the mapping's address, 0 when unknown
         self.file_size = 0
         # (start, file_size, a view of the file's bytes in the map): swapped as one, so a thread checking a
@@ -142,8 +121,8 @@ class MapGuard:
         (``Handle._set_mapsize``) or reopens the environment (a new guard): both look in full. A caller that
         still finds a record out of bounds after this looks in full before calling the file damaged.
         """
-        if not _LITTLE or not layout_known():
-            return  # LMDB 0.9's node header, parsed little-endian: elsewhere the check stays off, as without /proc
+        if not _LITTLE or not self.header:
+            return  # records parsed little-endian, in a known layout: elsewhere the check is off, as without /proc
         with self._refreshing:
             if not (grown and self._grew()):
                 self._refresh()
@@ -296,12 +275,12 @@ class MapGuard:
             return self._unreadable or f"its key lies outside the data file (offset {offset + 8})"
         lo, hi, flags, ksize = _node(view, offset)
         size = lo | hi << 16
-        data = offset + 8 + ksize
+        data = offset + 8 + ksize + (ksize & self._odd)
         if flags & _F_BIGDATA:
-            if data + 8 > end:
+            if data + self._pointer > end:
                 return "its overflow page number lies past the end of the data file"
             pgno = _pgno(view, data)[0]
-            at = pgno * self.page_size + _PAGE_HEADER
+            at = pgno * self.page_size + self.header
             if pgno < 2 or at + size > end:
                 return f"its {size:,}-byte value on page {pgno} would run past the end of the data file ({end:,} bytes)"
             if prefetch and size >= PREFETCH_MIN:

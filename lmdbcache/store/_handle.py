@@ -27,6 +27,7 @@ from ..errors import CacheClosedError, CacheMismatchError, NotACacheError
 from ..format import _compress
 from ..format._frames import require
 from . import _fs, _metadata
+from ._engine import layout_of
 from ._env import MAX_MAP, RESIZE_RETRIES, open_databases, open_env, reserved_size
 from ._fs import DATA_FILE
 from ._guard import MapGuard
@@ -68,6 +69,9 @@ class Handle:
         self._locked = True  # False on a read-only mount opened without LMDB's lock table
         self._last_reader_check = 0.0
         self._guard: MapGuard | None = None
+        # The samples database's key in the main database, as the environment's engine stores it (the compiled
+        # core looks it up itself): b"samples", or with a NUL under LMDB 1.0 (_engine)
+        self.samples_key = b"samples"
         self._compressor: _compress.Compressor | None = None  # the adopted build's, if it compresses
         # The adopted build's chunk size K for packs (_pack; 0: none) and its dataset length.
         self._pack = 0
@@ -95,18 +99,19 @@ class Handle:
         _fs.check_lmdb_files(path)  # a linked lock.mdb would be rewritten through the link, read-only too
         env, self._locked = open_env(path, map_size=self.map_size, max_readers=self.max_readers, readonly=readonly)
         try:
-            self._samples, self._meta_db = open_databases(env, path, readonly)
+            layout = layout_of(env)  # the engine that opened this file: its format, not the module's default
+            self._samples, self._meta_db = open_databases(env, path, readonly, layout.db_key)
             if not readonly:
                 env.reader_check()  # reclaim the reader slots of processes that died
                 self._last_reader_check = time.monotonic()
                 # LMDB opens a file larger than map_size with a map exactly its size: no room for
                 # even the free-list pages of a rebuild or a metadata update. Make some first.
                 self._reserve(env, 4 * MIB)
-            guard = MapGuard(os.path.join(path, DATA_FILE), env.stat()["psize"])
+            guard = MapGuard(os.path.join(path, DATA_FILE), env.stat()["psize"], layout.header)
             # The environment last, inside the try: a Ctrl-C between these left a new environment beside the last
             # one's guard, whose map was gone, and the core read through it (a segfault, found by an attack forking
             # beside reads); one after it unpublishes it below before it is closed.
-            self.readonly, self._guard = readonly, guard
+            self.readonly, self._guard, self.samples_key = readonly, guard, layout.db_key(b"samples")
             self._env = env
         except lmdb.Error as exc:
             env.close()

@@ -113,7 +113,7 @@ def native_fill(
 def native_tree(r: Hits, txn: lmdb.Transaction) -> tuple[Any, ...]:
     """The samples tree of the read transaction ``txn`` as the core reads it, found once per transaction.
 
-    ``(txn, view, base, length, psize, root, depth, value)``, kept as ``r._tree`` until the transaction ends
+    ``(txn, view, base, length, psize, root, depth, value, header)``, kept as ``r._tree`` until the transaction ends
     (``_drop_reader`` forgets it); ``txn`` in it is a new transaction when the snapshot's meta page was
     reused before the core could read it (the caller then reads in that one: a fresh snapshot). ``view``
     None: the Python path reads in this transaction (no map address known here, no samples database in
@@ -144,10 +144,11 @@ def native_tree(r: Hits, txn: lmdb.Transaction) -> tuple[Any, ...]:
         if last is not None and last[0] == snapshot and last[1][0] is view:  # no commit since (as in a fill)
             r._tree = tree = (txn, *last[1])
             return tree
-        code, root, depth = core.open_tree(base, length, guard.page_size, snapshot[0], b"samples")
+        psize, header = guard.page_size, guard.header  # the file's layout, as its engine reads it (_engine)
+        code, root, depth = core.open_tree(base, length, psize, header, snapshot[0], r._h.samples_key)
         if code == _native.OK:
-            value = core.Tree(base, length, guard.page_size, root, depth, r._h._pack, r._h._length, PREFETCH_MIN).sample
-            r._tree = tree = (txn, view, base, length, guard.page_size, root, depth, value)
+            value = core.Tree(base, length, psize, header, root, depth, r._h._pack, r._h._length, PREFETCH_MIN).sample
+            r._tree = tree = (txn, view, base, length, psize, root, depth, value, header)
             r._last_tree = (snapshot, tree[1:])
             return tree
         if code == _native.RETRY:  # a newer snapshot: its pages may lie past the file's size as last found
@@ -160,7 +161,7 @@ def native_tree(r: Hits, txn: lmdb.Transaction) -> tuple[Any, ...]:
             raise _damage(r, code, None)
         looks += 1
         guard.refresh(grown=looks == 1)  # the file grown (a commit: a stat), then the map looked for in full
-    r._tree = tree = (txn, None, 0, 0, 0, 0, 0, None)
+    r._tree = tree = (txn, None, 0, 0, 0, 0, 0, None, 0)
     return tree
 
 
@@ -173,11 +174,11 @@ def native_lookup(r: Hits, tree: tuple[Any, ...], index: int, code: int = -1) ->
     """
     core = _native.core
     assert core is not None
-    _, view, base, length, psize, root, depth, _ = tree
+    _, view, base, length, psize, root, depth, _, header = tree
     pack, n = r._h._pack, r._h._length
     for attempt in range(3):
         if code < 0 or attempt:
-            code, at, size = core.locate_index(base, length, psize, root, depth, index, pack, n, PREFETCH_MIN)
+            code, at, size = core.locate_index(base, length, psize, header, root, depth, index, pack, n, PREFETCH_MIN)
             if code == _native.OK:
                 return view[at : at + size]
         if code == _native.NOTFOUND:
@@ -199,9 +200,9 @@ def _refound(r: Hits, tree: tuple[Any, ...], grown: bool = False) -> tuple[Any, 
     base, length, view = guard.mapping()
     if not base:
         return tree
-    txn, _, _, _, psize, root, depth, _ = tree
-    value = core.Tree(base, length, psize, root, depth, r._h._pack, r._h._length, PREFETCH_MIN).sample
-    r._tree = fresh = (txn, view, base, length, psize, root, depth, value)
+    txn, _, _, _, psize, root, depth, _, header = tree
+    value = core.Tree(base, length, psize, header, root, depth, r._h._pack, r._h._length, PREFETCH_MIN).sample
+    r._tree = fresh = (txn, view, base, length, psize, root, depth, value, header)
     return fresh
 
 
@@ -209,12 +210,12 @@ def _pack_problem(r: Hits, tree: tuple[Any, ...], index: int) -> str | None:
     """Why the pack holding ``index`` does not hold its value, worded as the Python path's ``_pack.span``."""
     core = _native.core
     assert core is not None
-    _, view, base, length, psize, root, depth, _ = tree
+    _, view, base, length, psize, root, depth, _, header = tree
     first = index - index % r._h._pack
     n = min(r._h._pack, r._h._length - first)
     if index - first >= n:
         return f"index {index} is past the dataset's end"
-    code, at, size = core.locate(base, length, psize, root, depth, _pack.key(first, _pack.TAG))
+    code, at, size = core.locate(base, length, psize, header, root, depth, _pack.key(first, _pack.TAG))
     found = _pack.span(view[at : at + size], index - first, n) if code == _native.OK else None
     return found if isinstance(found, str) else None
 

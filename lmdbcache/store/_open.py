@@ -21,6 +21,7 @@ from ..errors import (
     CacheMismatchError,
     CorruptCacheError,
     InvalidOptionError,
+    MissingExtraError,
     NotACacheError,
     ReadOnlyCacheError,
     warn,
@@ -131,7 +132,8 @@ def _open_writable(
         try:
             env = h._open_env(readonly=False)
             found = h._read_meta(env)
-        except (CorruptCacheError, NotACacheError, CacheMismatchError):
+        except (CorruptCacheError, NotACacheError, CacheMismatchError, MissingExtraError):
+            # MissingExtraError: a cache this py-lmdb cannot read (LMDB 1.0's, _engine) or a codec not installed
             if not overwrite:
                 raise
             h._close_env()

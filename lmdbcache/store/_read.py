@@ -142,7 +142,7 @@ class Reader:
                     if type(raw) is not memoryview:
                         raw = None if raw is None else native_lookup(self, tree, index, raw)
                     if raw is None:  # kept across misses while no commit came after it (_queued)
-                        if fresh or _native.core.newest_txnid(tree[2], tree[3], tree[4]) == tree[0].id():
+                        if fresh or _native.core.newest_txnid(tree[2], tree[3], tree[4], tree[8]) == tree[0].id():
                             return self._queued(index, always, keep=True)
                         return self._get_fresh([index], always)[0]
                     return self._decode(raw, index, always)  # not flat (the core decoded those): checks, mark

@@ -29,6 +29,8 @@ def golden_samples(version: int | str = 1) -> list[Any]:
             (torch.arange(8192, dtype=torch.int64) % 7, 1),  # flat, one compressed buffer
             {"mask": ramp.reshape(64, 64), "raw": np.arange(10, dtype="<i8"), "t": [torch.zeros(2048)]},
         ]
+    if version == "4-lmdb-1.0":  # written by LMDB 1.0 (its page layout): packs of 2 (odd keys), an overflow value
+        return [*golden_samples(2), (torch.arange(3000, dtype=torch.int64) * 7 % 1000, 8)]
     if version in (3, 4):
         # golden-v3 is packed (pack=2), golden-v4 grouped (one commit: one group, a pointer per index):
         # the layout changed, not what a value holds
@@ -60,7 +62,8 @@ def write_golden(out: Path, version: int | str, compress: str | None = None) -> 
     import lmdbcache
 
     samples = golden_samples(version)  # a list is a map-style dataset
-    pack = {"pack": 2} if version == 3 else {}  # golden-v3: packs of 2 (the last chunk holds one sample)
+    # golden-v3 and the LMDB 1.0 golden: packs of 2 (the last chunk holds one sample)
+    pack = {"pack": 2} if version in (3, "4-lmdb-1.0") else {}
     with lmdbcache.CachedDataset(samples, out, fingerprint="golden", map_size=1 << 20, compress=compress, **pack) as ds:
         ds.__getitems__(list(range(len(ds))))
     for name in ("lock.mdb", "lmdbcache.lock"):
@@ -72,6 +75,15 @@ def write_golden(out: Path, version: int | str, compress: str | None = None) -> 
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE.parent.parent))  # this checkout's lmdbcache, installed or not
     from lmdbcache import FORMAT_VERSION
+
+    if sys.argv[1:] == ["lmdb-1.0"]:  # LMDB_DEFAULT_LIB_VERSION=1 python tests/data/make_golden.py lmdb-1.0
+        import lmdb
+
+        target = HERE / "golden-v4-lmdb-1.0"
+        if lmdb.version()[:2] != (1, 0) or target.exists():
+            sys.exit(f"needs py-lmdb 3 with LMDB_DEFAULT_LIB_VERSION=1, and no {target} (never rewritten)")
+        write_golden(target, "4-lmdb-1.0")
+        sys.exit(f"wrote {target}")
 
     target = HERE / f"golden-v{FORMAT_VERSION}"
     if target.exists():
