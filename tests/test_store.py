@@ -180,9 +180,7 @@ def _fill_until_the_last_page_is(cache_dir, free: bool) -> CachedDataset:
     raise AssertionError("no commit of the fill left its last page as asked")
 
 
-def test_a_file_short_only_by_free_pages_opens_and_reads_whole(cache_dir):
-    """A data.mdb shorter than LMDB's last page number only by pages on no tree (LMDB can commit a page it never
-    writes; issue 38) opens, reads every sample back, takes more writes and opens again, on both paths."""
+def _short_file_whole(cache_dir) -> None:
     ds = _fill_until_the_last_page_is(cache_dir, free=True)
     filled = ds.cached_count
     ds.close()
@@ -207,9 +205,7 @@ def test_a_file_short_only_by_free_pages_opens_and_reads_whole(cache_dir):
     again.close()
 
 
-def test_a_file_cut_through_a_page_in_use_is_refused_as_truncated(cache_dir):
-    """A data.mdb cut one page short where that page is on a tree is still refused with the truncation error,
-    naming the page, and nothing is written."""
+def _short_file_cut(cache_dir) -> None:
     ds = _fill_until_the_last_page_is(cache_dir, free=False)
     ds.close()
     _registry._stores.clear()
@@ -221,6 +217,41 @@ def test_a_file_cut_through_a_page_in_use_is_refused_as_truncated(cache_dir):
     with pytest.raises(CorruptCacheError, match="truncated"):
         CachedDataset(Synthetic(400), cache_dir)
     assert data.stat().st_size == size
+
+
+def _in_engine(engine: str, scenario: str, cache_dir) -> None:
+    """Run ``scenario`` (a function of this module) over ``cache_dir`` here (LMDB 0.9) or in a child whose py-lmdb
+    writes new caches with LMDB 1.0 (``LMDB_DEFAULT_LIB_VERSION=1``, read at import)."""
+    if engine == "0.9":
+        globals()[scenario](cache_dir)
+        return
+    try:
+        if tuple(lmdb.version(lib_version=1))[:1] != (1,):
+            raise TypeError
+    except (TypeError, lmdb.Error):
+        pytest.skip(f"py-lmdb {lmdb.__version__} has no LMDB 1.0 engine")
+    code = (
+        "import sys, pathlib, lmdb, test_store\n"
+        f"test_store.{scenario}(pathlib.Path(sys.argv[1]))\n"
+        "with lmdb.open(sys.argv[1], readonly=True, lock=False) as env:\n"
+        "    assert env.lib_version()[:2] == (1, 0), env.lib_version()\n"
+    )
+    run_script(code, str(cache_dir), env={"LMDB_DEFAULT_LIB_VERSION": "1"})
+
+
+@pytest.mark.parametrize("engine", ["0.9", "1.0"])
+def test_a_file_short_only_by_free_pages_opens_and_reads_whole(cache_dir, engine):
+    """A data.mdb shorter than LMDB's last page number only by pages on no tree (LMDB can commit a page it never
+    writes; issue 38) opens, reads every sample back, takes more writes and opens again, on both paths and both
+    of py-lmdb 3's engines."""
+    _in_engine(engine, "_short_file_whole", cache_dir)
+
+
+@pytest.mark.parametrize("engine", ["0.9", "1.0"])
+def test_a_file_cut_through_a_page_in_use_is_refused_as_truncated(cache_dir, engine):
+    """A data.mdb cut one page short where that page is on a tree is still refused with the truncation error,
+    naming the page, and nothing is written."""
+    _in_engine(engine, "_short_file_cut", cache_dir)
 
 
 def test_foreign_lmdb_environment_is_refused(cache_dir):

@@ -15,8 +15,8 @@ each leaf's overflow spans (LMDB checks only an overflow value's first page numb
 last page, before reading it). Pages within the last page number are what LMDB itself bounds, so
 the file holds everything any read or write can reach exactly when no tree points past its end.
 The walk reads the tree pages (not the values): for a million samples of 150 KB, about 35 MB.
-Layout: LMDB 0.9's, as in ``_guard``; any other is not judged here (None: the caller keeps
-refusing a short file).
+Layouts: LMDB 0.9's and 1.0's (``_engine``), told apart by the meta page; any other is not
+judged here (None: the caller keeps refusing a short file).
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ import struct
 
 __all__ = ["reachable_past"]
 
-_MAGIC, _VERSION = 0xBEEFC0DE, 1
-_P_BRANCH, _P_LEAF, _P_OVERFLOW, _P_META, _P_LEAF2 = 0x01, 0x02, 0x04, 0x08, 0x20
+_MAGIC = 0xBEEFC0DE
+# LMDB's two page layouts (store/_engine.py), told apart by the meta page itself: header bytes -> data format
+_FORMATS = {16: 1, 24: 3}
+_P_BRANCH, _P_LEAF, _P_META, _P_LEAF2 = 0x01, 0x02, 0x08, 0x20
 _F_BIGDATA, _F_SUBDATA = 0x01, 0x02
-_HEADER = struct.Struct("<QHHHH")  # pgno, pad, flags, lower, upper
+_FLAGS_LOWER = struct.Struct("<HH")  # a page header's last 6 bytes but 2: flags, lower (then upper)
 _NODE = struct.Struct("<HHHH")  # lo, hi, flags, ksize
 _DB = struct.Struct("<IHHQQQQQ")  # pad, flags, depth, branch, leaf, overflow pages, entries, root
 _NO_ROOT = 2**64 - 1
@@ -66,9 +68,13 @@ def reachable_past(path: str, psize: int) -> int | None:
 
 
 class _Walk:
+    """LMDB 0.9's layout (a 16-byte page header) or 1.0's (24 bytes, node offsets counted from the header's end,
+    a leaf's data after its key padded to an even length), as the C core's ``map_pages`` reads them."""
+
     def __init__(self, fd: int, psize: int, npages: int) -> None:
         self.fd, self.psize, self.npages = fd, psize, npages
         self.seen: set[int] = set()
+        self.header = self.base = self.even = 0
 
     def page(self, pgno: int) -> bytes:
         if pgno >= self.npages:
@@ -82,21 +88,25 @@ class _Walk:
         return data
 
     def meta(self) -> tuple[bytes, bytes] | None:
-        """(free, main) MDB_db records of the meta page with the higher transaction id."""
+        """(free, main) MDB_db records of the meta page with the higher transaction id; sets the layout."""
         best: tuple[int, bytes, bytes] | None = None
         for pgno in (0, 1):
             try:
-                page = os.pread(self.fd, 160, pgno * self.psize)
+                page = os.pread(self.fd, 256, pgno * self.psize)
             except OSError:
                 return None
-            if len(page) < 160 or not _HEADER.unpack_from(page)[2] & _P_META:
+            if len(page) < 256:
                 return None
-            magic, version = struct.unpack_from("<II", page, 16)
-            if magic != _MAGIC or version != _VERSION:
+            found = [h for h, version in _FORMATS.items() if struct.unpack_from("<II", page, h) == (_MAGIC, version)]
+            if len(found) != 1 or (self.header and found[0] != self.header):
                 return None
-            txnid = struct.unpack_from("<Q", page, 144)[0]
+            h = self.header = found[0]
+            if not _FLAGS_LOWER.unpack_from(page, h - 6)[0] & _P_META:
+                return None
+            txnid = struct.unpack_from("<Q", page, h + 128)[0]
             if best is None or txnid > best[0]:
-                best = (txnid, page[40:88], page[88:136])
+                best = (txnid, page[h + 24 : h + 72], page[h + 72 : h + 120])
+        self.base, self.even = (self.header, 1) if self.header == 24 else (0, 0)
         return None if best is None else best[1:]
 
     def tree(self, record: bytes, named: bool) -> None:
@@ -106,7 +116,7 @@ class _Walk:
         stack = [] if root == _NO_ROOT else [root]
         while stack:
             page = self.page(stack.pop())
-            flags, lower = _HEADER.unpack_from(page)[2:4]
+            flags, lower = _FLAGS_LOWER.unpack_from(page, self.header - 6)
             if flags & _P_BRANCH:
                 for at in self._nodes(page, lower):
                     lo, hi, fl, _ = _NODE.unpack_from(page, at)
@@ -115,18 +125,17 @@ class _Walk:
                 for at in self._nodes(page, lower):
                     self._leaf_node(page, at, named)
 
-    @staticmethod
-    def _nodes(page: bytes, lower: int) -> tuple[int, ...]:
-        count = max(0, min(lower, len(page)) - _HEADER.size) // 2
-        return struct.unpack_from(f"<{count}H", page, _HEADER.size)
+    def _nodes(self, page: bytes, lower: int) -> list[int]:
+        count = max(0, min(lower + self.base, len(page)) - self.header) // 2
+        return [at + self.base for at in struct.unpack_from(f"<{count}H", page, self.header)]
 
     def _leaf_node(self, page: bytes, at: int, named: bool) -> None:
         lo, hi, flags, ksize = _NODE.unpack_from(page, at)
-        data = at + 8 + ksize
+        data = at + 8 + (ksize + 1 & ~1 if self.even else ksize)
         if flags & _F_SUBDATA and named:
             self.tree(page[data : data + _DB.size], named=False)
         elif flags & _F_BIGDATA:  # LMDB checks the first page's number only: the span must lie in the file
             first = struct.unpack_from("<Q", page, data)[0]
-            pages = -(-(_HEADER.size + (lo | hi << 16)) // self.psize)
+            pages = -(-(self.header + (lo | hi << 16)) // self.psize)
             if first + pages > self.npages:
                 raise _Short(max(first, self.npages))
