@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import time
@@ -252,6 +253,23 @@ def test_a_file_cut_through_a_page_in_use_is_refused_as_truncated(cache_dir, eng
     """A data.mdb cut one page short where that page is on a tree is still refused with the truncation error,
     naming the page, and nothing is written."""
     _in_engine(engine, "_short_file_cut", cache_dir)
+
+
+def test_a_last_page_number_far_past_the_end_is_refused_as_truncated(cache_dir):
+    """A meta page whose last page number lies far past the end of a whole file (hostile, or a flipped bit) is
+    refused as truncated, as before issue 38's change: the missing pages are on no free list, so a commit would
+    write past them (a sparse data.mdb of a terabyte, found by the attack on the change)."""
+    _cache_with(cache_dir, 50)
+    data = cache_dir / "data.mdb"
+    raw = bytearray(data.read_bytes())
+    for meta in (0, 4096):  # both meta pages: mm_last_pg at byte 136 of LMDB 0.9's meta page
+        last = struct.unpack_from("<Q", raw, meta + 136)[0]
+        struct.pack_into("<Q", raw, meta + 136, last + 1_000_000)
+    data.write_bytes(bytes(raw))
+    size = data.stat().st_size
+    with pytest.raises(CorruptCacheError, match="truncated by a copy"):
+        CachedDataset(Synthetic(50), cache_dir)
+    assert data.stat().st_size == size
 
 
 def test_foreign_lmdb_environment_is_refused(cache_dir):

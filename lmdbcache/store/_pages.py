@@ -56,14 +56,19 @@ def reachable_past(path: str, psize: int) -> int | None:
         meta = walk.meta()
         if meta is None:
             return None
-        free, main = meta
+        free, main, last = meta
         try:
-            walk.tree(free, named=False)
-            walk.tree(main, named=True)
+            walk.tree(free, free=True)
+            walk.tree(main)
         except _Short as exc:
             return exc.pgno
         except (ValueError, struct.error, OSError):
             return None  # a page that does not parse: not judged here (the reads say what is wrong)
+        # Every missing page must be a free one: LMDB allocates past its last page only after the free list, so a
+        # last page number far past the end (a hostile one) would otherwise have the next commits write there.
+        missing = range(walk.npages, last + 1)
+        if len(missing) > len(walk.free) or not walk.free.issuperset(missing):
+            return None
         return -1
 
 
@@ -74,6 +79,7 @@ class _Walk:
     def __init__(self, fd: int, psize: int, npages: int) -> None:
         self.fd, self.psize, self.npages = fd, psize, npages
         self.seen: set[int] = set()
+        self.free: set[int] = set()  # the free list's page numbers (the free database's values)
         self.header = self.base = self.even = 0
 
     def page(self, pgno: int) -> bytes:
@@ -87,9 +93,10 @@ class _Walk:
             raise _Short(pgno)
         return data
 
-    def meta(self) -> tuple[bytes, bytes] | None:
-        """(free, main) MDB_db records of the meta page with the higher transaction id; sets the layout."""
-        best: tuple[int, bytes, bytes] | None = None
+    def meta(self) -> tuple[bytes, bytes, int] | None:
+        """(free, main) MDB_db records and the last page number of the meta page with the higher transaction id;
+        sets the layout."""
+        best: tuple[int, bytes, bytes, int] | None = None
         for pgno in (0, 1):
             try:
                 page = os.pread(self.fd, 256, pgno * self.psize)
@@ -103,15 +110,16 @@ class _Walk:
             h = self.header = found[0]
             if not _FLAGS_LOWER.unpack_from(page, h - 6)[0] & _P_META:
                 return None
-            txnid = struct.unpack_from("<Q", page, h + 128)[0]
+            last, txnid = struct.unpack_from("<QQ", page, h + 120)
             if best is None or txnid > best[0]:
-                best = (txnid, page[h + 24 : h + 72], page[h + 72 : h + 120])
+                best = (txnid, page[h + 24 : h + 72], page[h + 72 : h + 120], last)
         self.base, self.even = (self.header, 1) if self.header == 24 else (0, 0)
         return None if best is None else best[1:]
 
-    def tree(self, record: bytes, named: bool) -> None:
+    def tree(self, record: bytes, free: bool = False) -> None:
         """Every page of the tree of the MDB_db ``record``, each read and judged by its own flags (as LMDB judges
-        it, not by the record's depth); ``named``: its leaves hold named databases, walked too."""
+        it, not by the record's depth), and every tree a leaf names (a named database, a key's sorted duplicates);
+        ``free``: the free database, whose values (page lists) are collected into ``self.free``."""
         root = _DB.unpack(record)[-1]
         stack = [] if root == _NO_ROOT else [root]
         while stack:
@@ -123,19 +131,30 @@ class _Walk:
                     stack.append(lo | hi << 16 | fl << 32)
             elif flags & _P_LEAF and not flags & _P_LEAF2:
                 for at in self._nodes(page, lower):
-                    self._leaf_node(page, at, named)
+                    self._leaf_node(page, at, free)
 
     def _nodes(self, page: bytes, lower: int) -> list[int]:
         count = max(0, min(lower + self.base, len(page)) - self.header) // 2
         return [at + self.base for at in struct.unpack_from(f"<{count}H", page, self.header)]
 
-    def _leaf_node(self, page: bytes, at: int, named: bool) -> None:
+    def _leaf_node(self, page: bytes, at: int, free: bool) -> None:
         lo, hi, flags, ksize = _NODE.unpack_from(page, at)
-        data = at + 8 + (ksize + 1 & ~1 if self.even else ksize)
-        if flags & _F_SUBDATA and named:
-            self.tree(page[data : data + _DB.size], named=False)
+        data, size = at + 8 + (ksize + 1 & ~1 if self.even else ksize), lo | hi << 16
+        if flags & _F_SUBDATA:
+            self.tree(page[data : data + _DB.size])
         elif flags & _F_BIGDATA:  # LMDB checks the first page's number only: the span must lie in the file
             first = struct.unpack_from("<Q", page, data)[0]
-            pages = -(-(self.header + (lo | hi << 16)) // self.psize)
+            pages = -(-(self.header + size) // self.psize)
             if first + pages > self.npages:
                 raise _Short(max(first, self.npages))
+            if free:
+                self._free_list(os.pread(self.fd, size, first * self.psize + self.header))
+        elif free:
+            self._free_list(page[data : data + size])
+
+    def _free_list(self, ids: bytes) -> None:
+        """A free database value: an IDL, its length then that many page numbers (u64 each)."""
+        count = struct.unpack_from("<Q", ids)[0]
+        if count > len(ids) // 8 - 1:
+            raise ValueError("a free list longer than its value")
+        self.free.update(struct.unpack_from(f"<{count}Q", ids, 8))
