@@ -53,6 +53,7 @@ WRAPPERS = {
         ConcatDataset([Subset(b, [1, 2, 3]), a, Subset(b, range(10, 30))]), list(range(0, 73, 2))
     ),
     "Subset with a tensor of indices": lambda a, b: Subset(a, torch.arange(49, 0, -3)),
+    "ConcatDataset beside an empty Subset": lambda a, b: ConcatDataset([Subset(a, []), b, Subset(b, [])]),
 }
 
 

@@ -75,7 +75,9 @@ def _tables(dataset: Any, where: str, leaves: list[CachedDataset]) -> tuple[np.n
     if isinstance(dataset, Subset):
         leaf, inner = _tables(dataset.dataset, where + ".dataset", leaves)
         try:
-            picked = np.asarray(dataset.indices).astype(np.int64, casting="same_kind").reshape(-1)
+            indices = np.asarray(dataset.indices)
+            indices = indices if indices.size else indices.astype(np.int64)  # [] is float64 to numpy: empty is fine
+            picked = indices.astype(np.int64, casting="same_kind").reshape(-1)
         except (TypeError, ValueError):
             raise InvalidOptionError(f"lmdbcache.Loader: {where}.indices must be integers.") from None
         n = len(inner)
