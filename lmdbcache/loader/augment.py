@@ -354,12 +354,18 @@ def apply(plan: Plan, image: torch.Tensor, seed: int, epoch: int, index: int) ->
     return render(plan, chw, box, flip)
 
 
+def _resize(x: torch.Tensor, rh: int, rw: int) -> torch.Tensor:
+    return F.interpolate(x[None].contiguous(), size=(rh, rw), mode="bilinear", antialias=True, align_corners=False)[0]
+
+
 def render(plan: Plan, chw: torch.Tensor, box: tuple[int, ...], flip: bool) -> torch.Tensor:
     """Crop ``box``, resize, take the window (zeros outside), flip, normalize: one CHW image (or HWC storage)."""
     top, left, h, w, rh, rw, oy, ox = box
     x = chw[:, top : top + h, left : left + w]
-    if (rh, rw) != (h, w):
-        x = F.interpolate(x[None].contiguous(), size=(rh, rw), mode="bilinear", antialias=True, align_corners=False)[0]
+    if (rh, rw) == (1, 1) and (h, w) != (1, 1) and h != 1:  # torch 2.13's uint8 kernel asserts on a 1x1 output:
+        x = _resize(x, 1, w)  # one axis at a time, as its separable passes would (the compiled core's result)
+    if (rh, rw) != tuple(x.shape[1:]):
+        x = _resize(x, rh, rw)
     oh, ow = plan.size
     if (oy, ox, rh, rw) != (0, 0, oh, ow):
         out = torch.zeros((x.shape[0], oh, ow), dtype=torch.uint8)
