@@ -754,21 +754,30 @@ def test_the_reboot_warning_points_at_the_users_line(cache_dir, tmp_path, monkey
 
 
 EXIT_FAILS_SCRIPT = """
-import shutil, sys, warnings
-from helpers import Synthetic
+import sys, torch, warnings
+from torch.utils.data import Dataset
 from lmdbcache import CachedDataset
 
+class Big(Dataset):
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return (torch.full((100_000,), i, dtype=torch.uint8),)
+
 warnings.simplefilter(sys.argv[2])
-ds = CachedDataset(Synthetic(8), sys.argv[1] + "/c")
-ds[0]
-ds.flush()
-shutil.rmtree(sys.argv[1])  # the exit's sync of this cache fails
+ds = CachedDataset(Big(), sys.argv[1] + "/c", commit_every=1000, commit_bytes=1 << 30, commit_interval=3600)
+for i in range(40):
+    ds[i]  # queued, never flushed: the exit's commit fails on the full disk
 """
 
 
 @pytest.mark.parametrize("action", ["default", "error"])
 def test_the_exit_flush_runs_once_per_process(tmp_path, action):
-    """The exit hook runs once in a main process (atexit and multiprocessing's exit hook both call it): a close
-    that fails at exit warns once, and under -W error gives one traceback, not two."""
-    result = run_script(EXIT_FAILS_SCRIPT, str(tmp_path / "gone"), action)
-    assert result.stderr.count("could not commit queued samples at exit") == 1, result.stderr
+    """The exit hook runs once in a main process (atexit and multiprocessing's exit hook both call it): a commit
+    that fails at exit (a full disk) warns once, and under -W error gives one traceback, not two."""
+    from helpers import small_disk
+
+    with small_disk(tmp_path, "2m") as mount:
+        result = run_script(EXIT_FAILS_SCRIPT, str(mount), action)
+    assert result.stderr.count("samples decoded by this process were not committed") == 1, result.stderr

@@ -513,6 +513,35 @@ def test_a_cache_in_a_temporary_directory_ends_its_script_without_a_warning(tmp_
     assert out.stdout == "done\n" and out.stderr == ""
 
 
+def test_a_daemon_thread_filling_at_exit_loses_nothing_it_returned(tmp_path):
+    """A daemon thread filling misses while the script ends: every sample a read returned is in the cache, and a
+    read after the exit's flush raises CacheClosedError instead of queueing where nothing commits (the attack on
+    issue 38 found 1-10 returned samples lost, silently)."""
+    log = tmp_path / "returned"
+    code = (
+        "import os, sys, threading, time\n"
+        "from helpers import Synthetic\n"
+        "from lmdbcache import CachedDataset\n"
+        "ds = CachedDataset(Synthetic(100000, delay=0.0005), sys.argv[1])\n"
+        "log = os.open(sys.argv[2], os.O_WRONLY | os.O_CREAT | os.O_APPEND)\n"
+        "def fill():\n"
+        "    for i in range(100000):\n"
+        "        ds[i]\n"
+        "        os.write(log, b'%d\\n' % i)\n"
+        "threading.Thread(target=fill, daemon=True).start()\n"
+        "time.sleep(0.5)\n"
+    )
+    for _ in range(3):
+        out = run_script(code, str(tmp_path / "c"), str(log))
+        assert "Traceback" not in out.stderr or "CacheClosedError: Cache" in out.stderr, out.stderr[-2000:]
+    returned = sorted({int(x) for x in log.read_text().split()})
+    assert returned
+    cached = CachedDataset.open(tmp_path / "c")
+    for i in returned:
+        assert_same(cached[i], sample_for(i))
+    cached.close()
+
+
 def test_samples_lost_at_exit_are_counted_in_the_warning(tmp_path):
     """Misses still queued at exit whose commit fails (a full disk) are named in one warning: how many, which
     cache, and why; nothing else is said."""

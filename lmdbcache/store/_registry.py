@@ -40,7 +40,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ..errors import LmdbCacheWarning
+from ..errors import CacheClosedError, LmdbCacheWarning
 from ._signals import give_back_sigint, hold_sigint
 from ._store import Store
 
@@ -61,6 +61,11 @@ def acquire(path: str, **options: Any) -> Store:
     policy) travel with each call instead; of the per-environment ones a larger
     ``map_size`` is honoured and a different ``max_readers`` is a warning (``Store.reconcile``).
     """
+    if _flushed_pid == os.getpid():  # a thread still reading after the exit's flush: nothing would commit its misses
+        raise CacheClosedError(
+            f"Cache '{path}' was committed and closed at interpreter exit; a thread still reading it (a daemon "
+            "thread) cannot reopen it. End such threads before the script ends, or join them."
+        )
     key = os.path.realpath(path)
     with _registry_lock:
         store = _stores.get(key)
@@ -244,7 +249,12 @@ def _flush_all_at_exit() -> None:
         if store.owned:
             dropped = store.writer.dropped
             try:
-                store.close()
+                # At exit for good (``_at_exit``): a daemon thread's later miss raises CacheClosedError instead of
+                # reopening the store into a queue nothing would commit (samples it returned were lost, silently).
+                if _flushed_pid == os.getpid():
+                    store.retire()
+                else:
+                    store.close()
             except Exception as exc:
                 # Only a loss is worth a word: a sync that failed after every commit (the cache directory deleted
                 # already, say: a TemporaryDirectory) lost nothing, and a later crash is what the marker is for.
