@@ -379,3 +379,14 @@ def stored(txn: Any, samples: Any, index: int) -> bytes:
         whole = bytes(txn.get(b"\xffG" + group.to_bytes(8, "big"), db=samples))
         return whole[offset : offset + length]
     return value
+
+
+def drop_cached_pages(data_file: Any) -> None:
+    """Write ``data_file`` back and drop it from the page cache (fsync, then posix_fadvise DONTNEED): its next
+    reads come from the disk, in a process that has not mapped it."""
+    fd = os.open(data_file, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import Listed, Synthetic, key, raw_cache, stored
+from helpers import Listed, Synthetic, drop_cached_pages, key, raw_cache, stored
 
 import lmdbcache.store._read as read_module
 from lmdbcache import CachedDataset, CorruptSampleError, LmdbCacheError, _native, codec
@@ -1301,18 +1301,10 @@ def test_cold_large_values_read_the_same_both_ways(tmp_path: Any) -> None:
     ds.__getitems__(list(range(12)))
     ds.close()
 
-    def drop_cached_pages() -> None:
-        fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
     order = random.Random(3).sample(range(12), 12)
-    drop_cached_pages()
+    drop_cached_pages(os.path.join(path, "data.mdb"))
     native = _reads(path, order)
-    drop_cached_pages()
+    drop_cached_pages(os.path.join(path, "data.mdb"))
     with _python_path():
         python = _reads(path, order)
     assert native == python and native[:12] == [_bytes_of(make(i)) for i in order]
@@ -1603,12 +1595,7 @@ def test_cold_small_values_on_two_pages_are_read_in_one_request(tmp_path: Any) -
     ds = CachedDataset(Listed([(torch.full((3, 32, 32), i % 251, dtype=torch.uint8), i) for i in range(n)]), path)
     ds.__getitems__(list(range(n)))
     ds.close()
-    fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_cached_pages(os.path.join(path, "data.mdb"))
     out = _child(_SMALL_COLD_CHILD.replace("sys.argv[1]", repr(path)))
     assert out.returncode == 0, out.stderr
     faults = int(out.stdout)

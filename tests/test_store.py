@@ -19,6 +19,7 @@ from helpers import (
     Listed,
     Synthetic,
     assert_same,
+    drop_cached_pages,
     golden_samples,
     key,
     raw_cache,
@@ -651,12 +652,7 @@ def test_cold_large_values_are_read_in_one_request_not_a_fault_per_page(cache_di
         pytest.skip("the compiled core is not built (or LMDBCACHE_PURE_PYTHON=1)")
     n = 60
     _big_cache(cache_dir, n)
-    fd = os.open(cache_dir / "data.mdb", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_cached_pages(cache_dir / "data.mdb")
     out = _run_cold(cache_dir, pure)
     faults, read = (int(x) for x in out.split())
     value = big_sample(0)[0].numel()
