@@ -332,3 +332,33 @@ def test_a_ctrl_c_while_reads_reopen_the_cache_beside_forks_never_crashes(cache_
     assert out.returncode == 0, out.stderr[-3000:]
     forks, raised, read = map(int, out.stdout.split())
     assert forks > 20 and raised > 20 and read > 1000, out.stdout
+
+
+def test_a_ctrl_c_python_would_drop_in_a_callback_stops_the_loader(cache_dir):
+    """A Ctrl-C landing inside a weakref callback (where an object dies: threading's WeakSet of threads, say), which
+    Python prints as "Exception ignored" and drops, is delivered again during ``for batch in loader`` and stops the
+    loop (issue 38: 1 of 150 lost in the CI run after the loader's own callbacks were gone)."""
+    import weakref
+
+    ds = CachedDataset(Synthetic(64), cache_dir)
+    ds.__getitems__(list(range(64)))
+    loader = ds.loader(8)
+
+    class Dying:
+        pass
+
+    def ctrl_c_lands_here(_: object) -> None:
+        raise KeyboardInterrupt
+
+    seen = 0
+    with pytest.raises(KeyboardInterrupt):
+        for _ in loader:
+            seen += 1
+            dying = Dying()
+            keep = weakref.ref(dying, ctrl_c_lands_here)
+            del dying  # the callback runs now and raises where Python swallows it
+            time.sleep(5)  # the interrupt, delivered again a moment later, ends this wait
+            del keep
+    assert seen == 1
+    loader.close()
+    ds.close()

@@ -78,6 +78,7 @@ import torch
 from torch.utils.data import ConcatDataset, DistributedSampler, Subset
 
 from ..errors import InvalidOptionError, warn
+from ..store import redeliver_dropped_interrupts
 from ._fused import Fused
 from ._fused import check as check_fused
 from ._gather import Layout
@@ -372,6 +373,7 @@ class Loader:
     def __iter__(self) -> Iterator[Any]:
         if self._closed:
             raise InvalidOptionError("This Loader is closed.")
+        redeliver_dropped_interrupts()  # a Ctrl-C landing where an object dies stops the loop too
         if self._pass is not None:  # one pass at a time: a new iter replaces an abandoned (or running) one
             self._pass.replaced = True  # its consumer, if it asks again, is told why (``_pass.ended``)
             self._pass.stop()

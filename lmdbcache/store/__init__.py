@@ -16,6 +16,7 @@ Never ``dataset``, ``loader`` or ``tools``.
 
 from __future__ import annotations
 
+from ._signals import redeliver_dropped_interrupts
 from ._store import DATA_FILE, LOCK_FILE, MISSING, WRITE_LOCK, Store
 
-__all__ = ["DATA_FILE", "LOCK_FILE", "MISSING", "WRITE_LOCK", "Store"]
+__all__ = ["DATA_FILE", "LOCK_FILE", "MISSING", "WRITE_LOCK", "Store", "redeliver_dropped_interrupts"]

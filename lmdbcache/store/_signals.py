@@ -30,7 +30,14 @@ import time
 from collections.abc import Iterator
 from types import FrameType
 
-__all__ = ["give_back_sigint", "hold_sigint", "interrupts_held", "interrupts_ignored", "interrupts_outside_locks"]
+__all__ = [
+    "give_back_sigint",
+    "hold_sigint",
+    "interrupts_held",
+    "interrupts_ignored",
+    "interrupts_outside_locks",
+    "redeliver_dropped_interrupts",
+]
 
 # The functions (file, name) in which a KeyboardInterrupt can leave a lock held (see the module docstring).
 _LOCK_WRAPPERS = {
@@ -164,3 +171,33 @@ def _in_lock_wrapper(frame: FrameType) -> bool:
         return True
     at = frame.f_lasti
     return 0 <= at < len(code.co_code) and code.co_code[at] in _WITH_OPS
+
+
+def redeliver_dropped_interrupts() -> None:
+    """From now on, a Ctrl-C that Python drops is delivered again (idempotent; the loader calls it as it iterates).
+
+    A ``KeyboardInterrupt`` raised inside a weakref callback or a finalizer (Python runs them wherever an object
+    dies: ``threading``'s ``WeakSet`` of threads when a finished thread object is freed, say) is printed as
+    "Exception ignored in ..." and lost, so a user's one Ctrl-C did not stop ``for batch in loader`` (issue 38:
+    1 of 150 in the test's tight loop after the loader's own callbacks were gone). ``sys.unraisablehook`` is
+    wrapped: such an interrupt is sent again to the main thread ``_RETRY`` seconds later, where the caller's own code
+    takes it; anything else goes to the previous hook, as before.
+    """
+    import sys
+
+    previous = sys.unraisablehook
+    if getattr(previous, "redelivers", False):
+        return  # installed (and not replaced since: pytest, say, puts its own back after each test)
+
+    def hook(unraisable: object) -> None:
+        exc_type = getattr(unraisable, "exc_type", None)
+        main = threading.current_thread() is threading.main_thread()
+        if main and exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            # A moment later, from a thread of its own (as give_back_sigint): raised here, in the hook, it would be
+            # dropped again.
+            _thread.start_new_thread(_deliver_later, (threading.main_thread().ident,))
+            return
+        previous(unraisable)  # type: ignore[arg-type]
+
+    hook.redelivers = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
