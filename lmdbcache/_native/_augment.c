@@ -1001,6 +1001,7 @@ static PyObject *py_augment(PyObject *self, PyObject *args) {
     AugShape t;
     AugPlan p;
     Py_buffer key, lut, out[MAX_FIELDS], scalars = {0}, held = {0};
+    PyObject *held_dests = NULL;
     if (aug_parse(shape, fields, params, &t, &p, &key, &lut) < 0) return NULL;
     Py_ssize_t got = 0;
     int ok = 0;
@@ -1009,9 +1010,11 @@ static PyObject *py_augment(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "augment: fields, destinations and rows do not agree");
         goto done;
     }
+    /* A tuple of the destinations, as fill_prepare: a buffer export can run Python code that edits the list. */
+    if ((held_dests = PyList_AsTuple(dests)) == NULL) goto done;
     for (got = 0; got < t.nfields; got++) {
-        if (PyObject_GetBuffer(PyList_GET_ITEM(dests, got), &out[got], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-            goto done;
+        PyObject *dest = PyTuple_GET_ITEM(held_dests, got);
+        if (PyObject_GetBuffer(dest, &out[got], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
         uint64_t row = (uint64_t)got == t.field ? (uint64_t)(p.oh * p.ow) * t.channels * esize : t.nbytes[got];
         if (row && (uint64_t)out[got].len / row < (uint64_t)hi) { /* every row written lies in its buffer */
             PyErr_SetString(PyExc_ValueError, "augment: a destination buffer is shorter than its rows");
@@ -1027,6 +1030,7 @@ static PyObject *py_augment(PyObject *self, PyObject *args) {
     if (PyObject_GetBuffer(blob, &held, PyBUF_SIMPLE) < 0) goto done; /* the spans cannot be resized meanwhile */
     ok = 1;
 done:
+    Py_XDECREF(held_dests); /* each export holds its own reference to its object */
     if (!ok) {
         for (Py_ssize_t f = 0; f < got; f++) PyBuffer_Release(&out[f]);
         if (scalars.obj) PyBuffer_Release(&scalars);
