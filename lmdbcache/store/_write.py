@@ -158,7 +158,7 @@ class Writer:
 
     def uncommitted(self) -> int:
         """``dropped`` and the samples still queued or in flight."""
-        return self._queue.dropped + len(self._queue.pending) + len(self._queue.inflight)
+        return self.dropped + len(self._queue.pending) + len(self._queue.inflight)
 
     def flush(self) -> int:
         """Commit this process's queued samples and wait for them; return how many were queued."""
